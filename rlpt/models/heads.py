@@ -1,0 +1,114 @@
+"""Models of the RL roles: the shared trunk with a small head each.
+
+- ``CausalLM``: next-token logits (policy and reference policy).
+- ``ValueModel``: one scalar per token (the critic, a separate network).
+- ``RewardModel``: one scalar per sequence, read at the last real token.
+- ``ProcessRewardModel``: one score per reasoning step, read at step separators.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlpt.models.config import ModelConfig
+from rlpt.models.transformer import KVCache, Transformer, _matmul, _param
+from rlpt.parallel.sharding import constrain
+
+
+class CausalLM(nnx.Module):
+    """Trunk plus the output projection to the vocabulary (tied or separate)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.trunk = Transformer(config, rngs=rngs)
+        if not config.tie_embeddings:
+            self.lm_head = _param(
+                rngs, (config.d_model, config.vocab_size), ("embed", "vocab"),
+                std=config.d_model**-0.5,
+            )  # fmt: skip
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """[B, T, D] hidden states to float32 logits [B, T, V]."""
+        dtype = self.config.compute_dtype
+        if self.config.tie_embeddings:
+            # The tied table has unit-variance rows; scale so initial logits are O(1).
+            out = _matmul("btd,vd->btv", hidden, self.trunk.embedding.value, dtype)
+        else:
+            out = _matmul("btd,dv->btv", hidden, self.lm_head.value, dtype)
+        return constrain(out, ("batch", "length", "act_vocab"))
+
+    def __call__(self, tokens, positions=None, mask=None, segment_ids=None, cache=None):
+        hidden, cache = self.trunk(tokens, positions, mask, segment_ids, cache)
+        return self.logits(hidden), cache
+
+
+class _ScalarHead(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.trunk = Transformer(config, rngs=rngs)
+        self.head_w = _param(rngs, (config.d_model,), ("embed",), std=config.d_model**-0.5)
+        self.head_b = _param(rngs, (), (), value=jnp.zeros((), jnp.float32))
+
+    def token_scores(self, tokens, positions=None, mask=None, segment_ids=None) -> jax.Array:
+        """One float32 scalar per token [B, T]."""
+        hidden, _ = self.trunk(tokens, positions, mask, segment_ids)
+        return jnp.einsum("btd,d->bt", hidden, self.head_w.value) + self.head_b.value
+
+
+class ValueModel(_ScalarHead):
+    """Critic: a value estimate at every token [B, T]."""
+
+    def __call__(self, tokens, positions=None, mask=None, segment_ids=None) -> jax.Array:
+        return self.token_scores(tokens, positions, mask, segment_ids)
+
+
+def last_token_index(mask: jax.Array) -> jax.Array:
+    """Index of the last real token of each row [B] (0 for an empty row)."""
+    t = mask.shape[1]
+    idx = jnp.where(mask.astype(bool), jnp.arange(t)[None, :], -1)
+    return jnp.maximum(idx.max(axis=1), 0)
+
+
+class RewardModel(_ScalarHead):
+    """Sequence reward [B], read at the last real token of each row."""
+
+    def __call__(self, tokens, positions=None, mask=None, segment_ids=None) -> jax.Array:
+        if mask is None:
+            mask = jnp.ones(tokens.shape, bool)
+        scores = self.token_scores(tokens, positions, mask, segment_ids)
+        return jnp.take_along_axis(scores, last_token_index(mask)[:, None], axis=1)[:, 0]
+
+
+class ProcessRewardModel(_ScalarHead):
+    """Step scores (logits of "this step is on a correct path") at step-separator tokens.
+
+    Returns ``(scores [B, T], step_mask [B, T])``: scores at every token, and
+    where the step separator sits (only those scores are meaningful).
+    """
+
+    def __init__(self, config: ModelConfig, step_token_id: int, *, rngs: nnx.Rngs):
+        super().__init__(config, rngs=rngs)
+        if not 0 <= step_token_id < config.vocab_size:
+            raise ValueError(
+                f"step_token_id {step_token_id} outside the vocabulary [0, {config.vocab_size})"
+            )
+        self.step_token_id = step_token_id
+
+    def __call__(self, tokens, positions=None, mask=None, segment_ids=None):
+        if mask is None:
+            mask = jnp.ones(tokens.shape, bool)
+        scores = self.token_scores(tokens, positions, mask, segment_ids)
+        step_mask = (tokens == self.step_token_id) & mask.astype(bool)
+        return scores, step_mask
+
+
+__all__ = [
+    "CausalLM",
+    "KVCache",
+    "ProcessRewardModel",
+    "RewardModel",
+    "ValueModel",
+    "last_token_index",
+]

@@ -1,0 +1,288 @@
+"""A decoder-only transformer in the Llama / Qwen2 parameterisation, in Flax NNX.
+
+RMSNorm, rotary position embeddings (configurable theta and scaling),
+grouped-query attention with optional qkv bias, a SwiGLU MLP, optional tied
+input/output embeddings. Parameters are float32 and carry logical axis names
+(mapped to mesh axes only in ``rlpt.parallel``); matrix multiplications take
+their inputs in the compute dtype and accumulate in float32, and the residual
+stream stays float32.
+
+Modules are used functionally: ``nnx.split`` once into (graphdef, state) and
+pure functions of the state inside jit (see ``rlpt.models.init``).
+
+Attention works on "slots": with no cache the slot of a token is its index in
+the row; with a KV cache it is its index in the cache. A query attends to a
+key when the key is valid (not padding), its slot is not later than the
+query's, and (optionally) both have the same segment id. Positions (for the
+rotary embedding) are passed separately, so left-padded, right-padded and
+unpadded rows give the same results for their real tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from rlpt.models.config import ModelConfig
+from rlpt.parallel.sharding import constrain
+
+_MASKED = -1e30  # finite, so a fully masked (padding) query row gives no NaN
+
+
+def _param(rngs: nnx.Rngs, shape, names, *, std: float | None = None, value=None) -> nnx.Param:
+    if value is None:
+        value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    # eager_sharding=False: the logical names are metadata read by rlpt.parallel,
+    # not shardings to apply at creation (there may be no mesh yet).
+    return nnx.Param(value, sharding_names=tuple(names), eager_sharding=False)
+
+
+def _matmul(equation: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+    # Inputs in the compute dtype, accumulation in float32: bfloat16 inputs with
+    # float32 accumulation are about twice as fast as float32 on CPU and keep sums exact.
+    return jnp.einsum(
+        equation, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32
+    )
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
+        del rngs
+        self.eps = eps
+        self.scale = _param(None, (dim,), ("norm",), value=jnp.ones((dim,), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        variance = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+        return x * jax.lax.rsqrt(variance + self.eps) * self.scale.value
+
+
+def rotary_inverse_frequencies(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim / 2], with linear or Llama-3 scaling applied."""
+    dim = config.resolved_head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if config.rope_scaling is None:
+        return inv_freq.astype(np.float32)
+    scaling = dict(config.rope_scaling)
+    factor = float(scaling["factor"])
+    if scaling["type"] == "linear":
+        return (inv_freq / factor).astype(np.float32)
+    # Llama 3: long wavelengths are divided by `factor`, short ones kept, and the
+    # band between them interpolated smoothly.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate [B, T, heads, head_dim] by positions [B, T] (the half-split layout of HF Llama)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, head_dim/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    x = x.astype(jnp.float32)
+    first, second = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    return x * jnp.cos(angles) + rotated * jnp.sin(angles)
+
+
+@struct.dataclass
+class KVCache:
+    """Preallocated keys and values of every layer.
+
+    ``k[i]``, ``v[i]``: [B, S, kv_heads, head_dim] in the compute dtype;
+    ``valid``: [B, S], which slots hold real tokens; ``index``: the next slot to
+    write (every row writes in lockstep; padding is marked invalid).
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    valid: jax.Array
+    index: jax.Array
+
+    @classmethod
+    def create(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
+        if length > config.max_seq_len:
+            raise ValueError(
+                f"cache length {length} exceeds model.max_seq_len ({config.max_seq_len})"
+            )
+        shape = (batch, length, config.n_kv_heads, config.resolved_head_dim)
+        zeros = tuple(jnp.zeros(shape, config.compute_dtype) for _ in range(config.n_layers))
+        return cls(
+            k=zeros,
+            v=zeros,
+            valid=jnp.zeros((batch, length), bool),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d, n, k, h = config.d_model, config.n_heads, config.n_kv_heads, config.resolved_head_dim
+        std_in, std_out = d**-0.5, (n * h) ** -0.5 / math.sqrt(2 * config.n_layers)
+        self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), std=std_in)
+        self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std=std_in)
+        self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std=std_in)
+        self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), std=std_out)
+        if config.qkv_bias:
+            self.bq = _param(rngs, (n, h), ("heads", "head_dim"), value=jnp.zeros((n, h)))
+            self.bk = _param(rngs, (k, h), ("kv_heads", "head_dim"), value=jnp.zeros((k, h)))
+            self.bv = _param(rngs, (k, h), ("kv_heads", "head_dim"), value=jnp.zeros((k, h)))
+
+    def __call__(self, x, positions, allowed, layer_cache):
+        """x [B, T, D]; allowed [B, T, S]; layer_cache None or (k, v, index) with [B, S, K, H]."""
+        cfg = self.config
+        dtype = cfg.compute_dtype
+        q = _matmul("btd,dnh->btnh", x, self.wq.value, dtype)
+        k = _matmul("btd,dkh->btkh", x, self.wk.value, dtype)
+        v = _matmul("btd,dkh->btkh", x, self.wv.value, dtype)
+        if cfg.qkv_bias:
+            q, k, v = q + self.bq.value, k + self.bk.value, v + self.bv.value
+        # Static numpy constants, computed at trace time (a module attribute would become state).
+        inv_freq = rotary_inverse_frequencies(cfg)
+        q = apply_rotary(q, positions, inv_freq)
+        k = apply_rotary(k, positions, inv_freq).astype(dtype)
+        v = v.astype(dtype)
+        q = constrain(q, ("batch", "length", "act_heads", None))
+        if layer_cache is not None:
+            cache_k, cache_v, index = layer_cache
+            k = jax.lax.dynamic_update_slice(cache_k, k, (0, index, 0, 0))
+            v = jax.lax.dynamic_update_slice(cache_v, v, (0, index, 0, 0))
+            new_layer_cache = (k, v)
+        else:
+            new_layer_cache = None
+        b, t, n, h = q.shape
+        groups = n // cfg.n_kv_heads
+        q = q.reshape(b, t, cfg.n_kv_heads, groups, h) * (h**-0.5)
+        scores = jnp.einsum(
+            "btkgh,bskh->bkgts", q.astype(dtype), k, preferred_element_type=jnp.float32
+        )
+        scores = jnp.where(allowed[:, None, None, :, :], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(dtype), v,
+                         preferred_element_type=jnp.float32)  # fmt: skip
+        out = out.reshape(b, t, n, h)
+        return _matmul("btnh,nhd->btd", out, self.wo.value, dtype), new_layer_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d, f = config.d_model, config.ffn_dim
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), std=d**-0.5)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), std=d**-0.5)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), std=f**-0.5 / math.sqrt(2 * config.n_layers))
+
+    def __call__(self, x):
+        dtype = self.config.compute_dtype
+        gate = _matmul("btd,df->btf", x, self.w_gate.value, dtype)
+        up = _matmul("btd,df->btf", x, self.w_up.value, dtype)
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+        return _matmul("btf,fd->btd", hidden, self.w_down.value, dtype)
+
+
+class Block(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config.d_model, config.rms_eps, rngs=rngs)
+        self.attn = Attention(config, rngs=rngs)
+        self.mlp_norm = RMSNorm(config.d_model, config.rms_eps, rngs=rngs)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x, positions, allowed, layer_cache):
+        attn_out, new_layer_cache = self.attn(self.attn_norm(x), positions, allowed, layer_cache)
+        x = x + attn_out
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", "length", "act_embed")), new_layer_cache
+
+
+def attention_mask(
+    mask: jax.Array,
+    segment_ids: jax.Array | None = None,
+    cache: KVCache | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Which keys each query may see: [B, T, S]; and the cache's updated validity [B, S]."""
+    t = mask.shape[1]
+    if cache is None:
+        key_valid = mask
+        query_slots = jnp.arange(t)
+        key_slots = jnp.arange(t)
+        new_valid = None
+    else:
+        key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))
+        query_slots = cache.index + jnp.arange(t)
+        key_slots = jnp.arange(cache.length)
+        new_valid = key_valid
+    allowed = key_valid[:, None, :] & (key_slots[None, None, :] <= query_slots[None, :, None])
+    if segment_ids is not None:
+        if cache is not None:
+            raise ValueError("segment_ids are for packed training batches, not cached decoding")
+        allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    return allowed, new_valid
+
+
+class Transformer(nnx.Module):
+    """The shared trunk: embedding, blocks, final norm. Returns float32 hidden states."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embedding = _param(
+            rngs, (config.vocab_size, config.d_model), ("table_vocab", "table_embed"), std=1.0
+        )
+        self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
+        self.final_norm = RMSNorm(config.d_model, config.rms_eps, rngs=rngs)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [B, T] int
+        positions: jax.Array | None = None,  # [B, T] int; default: from the mask
+        mask: jax.Array | None = None,  # [B, T] bool, True for real tokens
+        segment_ids: jax.Array | None = None,  # [B, T] int, for packed rows
+        cache: KVCache | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        if mask is None:
+            mask = jnp.ones(tokens.shape, bool)
+        mask = mask.astype(bool)
+        if positions is None:
+            positions = positions_from_mask(mask)
+        allowed, new_valid = attention_mask(mask, segment_ids, cache)
+        x = jnp.take(self.embedding.value, tokens, axis=0)
+        x = constrain(x, ("batch", "length", "act_embed"))
+        new_k, new_v = [], []
+        for i, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
+            if self.config.remat:
+                x, updated = nnx.remat(lambda blk, *a: blk(*a))(
+                    block, x, positions, allowed, layer_cache
+                )
+            else:
+                x, updated = block(x, positions, allowed, layer_cache)
+            if updated is not None:
+                new_k.append(updated[0])
+                new_v.append(updated[1])
+        x = self.final_norm(x)
+        if cache is not None:
+            cache = KVCache(
+                k=tuple(new_k), v=tuple(new_v), valid=new_valid,
+                index=cache.index + tokens.shape[1],
+            )  # fmt: skip
+        return x, cache
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+    """Rotary positions [B, T]: the count of real tokens before each token (0 at pads)."""
+    mask = mask.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0) * mask

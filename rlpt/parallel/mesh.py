@@ -1,0 +1,63 @@
+"""Device meshes with the axes ``data``, ``fsdp`` and ``tensor``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def resolve_mesh_shape(
+    num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1
+) -> tuple[int, int, int]:
+    """Sizes of (data, fsdp, tensor); at most one of them may be -1, meaning "the rest"."""
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    free = [name for name, size in sizes.items() if size == -1]
+    if len(free) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got mesh sizes {sizes}")
+    for name, size in sizes.items():
+        if size != -1 and (not isinstance(size, int) or size <= 0):
+            raise ValueError(f"mesh.{name} must be a positive integer or -1, got {size!r}")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if free:
+        if num_devices % fixed:
+            raise ValueError(
+                f"mesh sizes {sizes}: the fixed axes ({fixed} devices) do not divide the "
+                f"{num_devices} available devices"
+            )
+        sizes[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ValueError(
+            f"mesh sizes {sizes} use {fixed} devices but {num_devices} are available; "
+            "set one axis to -1 to take the rest"
+        )
+    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def make_mesh(
+    data: int = -1,
+    fsdp: int = 1,
+    tensor: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A (data, fsdp, tensor) mesh over ``devices`` (default: all devices).
+
+    Axis types are Auto so sharding is steered with ``with_sharding_constraint``
+    and jit in/out shardings (the default Explicit types would change typing).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_mesh_shape(len(devices), data, fsdp, tensor)
+    if devices == list(jax.devices()):
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def mesh_from_config(mesh_config) -> Mesh:
+    """A mesh from a config with fields ``data``, ``fsdp``, ``tensor`` (any may be absent)."""
+    get = mesh_config.get if hasattr(mesh_config, "get") else lambda k, d: getattr(mesh_config, k, d)
+    return make_mesh(data=get("data", -1), fsdp=get("fsdp", 1), tensor=get("tensor", 1))

@@ -1,0 +1,24 @@
+"""Generation: sampling methods and the KV-cache sampler."""
+
+from rlpt.sampling.methods import GREEDY, SamplingParams, sample_tokens, sampling_log_probs
+from rlpt.sampling.sampler import (
+    DEFAULT_BUCKETS,
+    SampleOutput,
+    Sampler,
+    bucket_length,
+    generate,
+    left_pad,
+)
+
+__all__ = [
+    "DEFAULT_BUCKETS",
+    "GREEDY",
+    "SampleOutput",
+    "Sampler",
+    "SamplingParams",
+    "bucket_length",
+    "generate",
+    "left_pad",
+    "sample_tokens",
+    "sampling_log_probs",
+]

@@ -1,0 +1,37 @@
+"""rlpt: reinforcement-learning post-training of language models in JAX."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="rlpt",
+    version="0.1.0",
+    description="JAX-first reinforcement-learning post-training of language models.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["rlpt", "rlpt.*"]),
+    install_requires=[
+        "jax>=0.7",
+        "flax>=0.11",
+        "optax",
+        "orbax-checkpoint",
+        "chex",
+        "grain",
+        "tensorflow-datasets",
+        "gymnasium",
+        "absl-py",
+        "ml_collections",
+        "numpy",
+    ],
+    extras_require={
+        "dev": [
+            "pytest",
+            "pytest-timeout",
+            "ruff",
+        ],
+        "cuda": ["jax[cuda12]"],
+        "tpu": ["jax[tpu]"],
+        # CPU-only torch: an unpinned torch pulls several GB of GPU libraries.
+        "hf": ["torch==2.13.0", "transformers", "tokenizers", "safetensors"],
+    },
+)
