@@ -93,7 +93,9 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(values) - known
         if unknown:
-            raise ValueError(f"unknown model config fields {sorted(unknown)}; known: {sorted(known)}")
+            raise ValueError(
+                f"unknown model config fields {sorted(unknown)}; known: {sorted(known)}"
+            )
         values = dict(values)
         if isinstance(values.get("rope_scaling"), Mapping):
             values["rope_scaling"] = tuple(sorted(values["rope_scaling"].items()))

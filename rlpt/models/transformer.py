@@ -58,7 +58,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(jnp.float32)
         variance = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-        return x * jax.lax.rsqrt(variance + self.eps) * self.scale.value
+        return x * jax.lax.rsqrt(variance + self.eps) * self.scale[...]
 
 
 def rotary_inverse_frequencies(config: ModelConfig) -> np.ndarray:
@@ -145,11 +145,11 @@ class Attention(nnx.Module):
         """x [B, T, D]; allowed [B, T, S]; layer_cache None or (k, v, index) with [B, S, K, H]."""
         cfg = self.config
         dtype = cfg.compute_dtype
-        q = _matmul("btd,dnh->btnh", x, self.wq.value, dtype)
-        k = _matmul("btd,dkh->btkh", x, self.wk.value, dtype)
-        v = _matmul("btd,dkh->btkh", x, self.wv.value, dtype)
+        q = _matmul("btd,dnh->btnh", x, self.wq[...], dtype)
+        k = _matmul("btd,dkh->btkh", x, self.wk[...], dtype)
+        v = _matmul("btd,dkh->btkh", x, self.wv[...], dtype)
         if cfg.qkv_bias:
-            q, k, v = q + self.bq.value, k + self.bk.value, v + self.bv.value
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         # Static numpy constants, computed at trace time (a module attribute would become state).
         inv_freq = rotary_inverse_frequencies(cfg)
         q = apply_rotary(q, positions, inv_freq)
@@ -174,7 +174,7 @@ class Attention(nnx.Module):
         out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(dtype), v,
                          preferred_element_type=jnp.float32)  # fmt: skip
         out = out.reshape(b, t, n, h)
-        return _matmul("btnh,nhd->btd", out, self.wo.value, dtype), new_layer_cache
+        return _matmul("btnh,nhd->btd", out, self.wo[...], dtype), new_layer_cache
 
 
 class MLP(nnx.Module):
@@ -185,14 +185,16 @@ class MLP(nnx.Module):
         d, f = config.d_model, config.ffn_dim
         self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), std=d**-0.5)
         self.w_up = _param(rngs, (d, f), ("embed", "mlp"), std=d**-0.5)
-        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), std=f**-0.5 / math.sqrt(2 * config.n_layers))
+        self.w_down = _param(
+            rngs, (f, d), ("mlp", "embed"), std=f**-0.5 / math.sqrt(2 * config.n_layers)
+        )
 
     def __call__(self, x):
         dtype = self.config.compute_dtype
-        gate = _matmul("btd,df->btf", x, self.w_gate.value, dtype)
-        up = _matmul("btd,df->btf", x, self.w_up.value, dtype)
+        gate = _matmul("btd,df->btf", x, self.w_gate[...], dtype)
+        up = _matmul("btd,df->btf", x, self.w_up[...], dtype)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-        return _matmul("btf,fd->btd", hidden, self.w_down.value, dtype)
+        return _matmul("btf,fd->btd", hidden, self.w_down[...], dtype)
 
 
 class Block(nnx.Module):
@@ -239,8 +241,10 @@ class Transformer(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
+        # A tied table is also the output projection: scale its rows so initial logits are O(1).
+        std = config.d_model**-0.5 if config.tie_embeddings else 1.0
         self.embedding = _param(
-            rngs, (config.vocab_size, config.d_model), ("table_vocab", "table_embed"), std=1.0
+            rngs, (config.vocab_size, config.d_model), ("table_vocab", "table_embed"), std=std
         )
         self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
         self.final_norm = RMSNorm(config.d_model, config.rms_eps, rngs=rngs)
@@ -259,7 +263,7 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = positions_from_mask(mask)
         allowed, new_valid = attention_mask(mask, segment_ids, cache)
-        x = jnp.take(self.embedding.value, tokens, axis=0)
+        x = jnp.take(self.embedding[...], tokens, axis=0)
         x = constrain(x, ("batch", "length", "act_embed"))
         new_k, new_v = [], []
         for i, block in enumerate(self.blocks):

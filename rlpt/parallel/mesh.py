@@ -59,5 +59,7 @@ def make_mesh(
 
 def mesh_from_config(mesh_config) -> Mesh:
     """A mesh from a config with fields ``data``, ``fsdp``, ``tensor`` (any may be absent)."""
-    get = mesh_config.get if hasattr(mesh_config, "get") else lambda k, d: getattr(mesh_config, k, d)
+    get = (
+        mesh_config.get if hasattr(mesh_config, "get") else lambda k, d: getattr(mesh_config, k, d)
+    )
     return make_mesh(data=get("data", -1), fsdp=get("fsdp", 1), tensor=get("tensor", 1))

@@ -99,7 +99,7 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) 
         if not isinstance(variable, nnx.Variable):
             return NamedSharding(mesh, PartitionSpec())
         names = _names_of(variable)
-        shape = variable.value.shape
+        shape = variable.get_value().shape
         if names is None:
             spec = PartitionSpec()
         else:

@@ -55,9 +55,11 @@ def sampling_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
         # Keep a token when the mass strictly before it is below top_p (the top token always).
         mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
         keep_sorted = mass_before < params.top_p
-        keep = jnp.zeros_like(keep_sorted).at[
-            jnp.arange(logits.shape[0])[:, None], order
-        ].set(keep_sorted)
+        keep = (
+            jnp.zeros_like(keep_sorted)
+            .at[jnp.arange(logits.shape[0])[:, None], order]
+            .set(keep_sorted)
+        )
         logits = jnp.where(keep, logits, neg_inf)
     return jax.nn.log_softmax(logits, axis=-1)
 

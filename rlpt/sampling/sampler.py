@@ -86,9 +86,7 @@ def generate(
         new, new_lp = sample_tokens(logits[:, 0], jax.random.fold_in(key, i), sampling)
         new = jnp.where(done, pad_id, new)
         out_tokens = jax.lax.dynamic_update_slice(out_tokens, new[:, None], (0, i))
-        out_lp = jax.lax.dynamic_update_slice(
-            out_lp, jnp.where(done, 0.0, new_lp)[:, None], (0, i)
-        )
+        out_lp = jax.lax.dynamic_update_slice(out_lp, jnp.where(done, 0.0, new_lp)[:, None], (0, i))
         out_mask = jax.lax.dynamic_update_slice(
             out_mask, (~done).astype(jnp.float32)[:, None], (0, i)
         )

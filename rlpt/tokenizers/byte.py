@@ -50,7 +50,9 @@ class ByteTokenizer(Tokenizer):
             token = int(token)
             if token >= self._offset:
                 if token >= self.vocab_size:
-                    raise ValueError(f"id {token} outside the byte vocabulary [0, {self.vocab_size})")
+                    raise ValueError(
+                        f"id {token} outside the byte vocabulary [0, {self.vocab_size})"
+                    )
                 buffer.append(token - self._offset)
                 continue
             if token < 0:

@@ -1,0 +1,44 @@
+"""Pure RL maths over response tokens: GAE, critic-free advantages, losses, KL."""
+
+from rlpt.rl.advantages import grpo_advantages, rloo_advantages, sequence_to_tokens
+from rlpt.rl.gae import gae, whiten
+from rlpt.rl.kl import (
+    KL_KINDS,
+    KLControllerState,
+    init_kl_controller,
+    kl_estimate,
+    kl_loss,
+    kl_penalty_rewards,
+    update_kl_controller,
+)
+from rlpt.rl.losses import (
+    AGGREGATION_MODES,
+    aggregate,
+    entropy_from_logits,
+    masked_mean,
+    policy_loss,
+    token_entropy,
+    value_loss,
+)
+
+__all__ = [
+    "AGGREGATION_MODES",
+    "KL_KINDS",
+    "KLControllerState",
+    "aggregate",
+    "entropy_from_logits",
+    "gae",
+    "grpo_advantages",
+    "init_kl_controller",
+    "kl_estimate",
+    "kl_loss",
+    "kl_penalty_rewards",
+    "masked_mean",
+    "policy_loss",
+    "rloo_advantages",
+    "sequence_to_tokens",
+    "token_entropy",
+    "update_kl_controller",
+    "value_loss",
+    "whiten",
+]

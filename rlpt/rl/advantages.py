@@ -1,0 +1,130 @@
+"""Critic-free advantage estimators for several sampled responses per prompt.
+
+Sequence-level arrays are `[B]` with `group_ids` `[B]` (int in [0, num_groups))
+naming the prompt each sample answers. Group statistics use segment sums, so
+every function jits with a static `num_groups`; ids outside [0, num_groups) are
+dropped from the statistics and their advantage is undefined.
+
+`valid` `[B]` (float, 1 keep, 0 exclude) removes samples that must not be scored
+(for instance a sandbox failure): they neither count in their group's statistics
+nor receive an advantage (their advantage is 0).
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+
+def _check_group_args(
+    name: str, rewards: jax.Array, group_ids: jax.Array, valid: jax.Array | None
+) -> jax.Array:
+    chex.assert_rank(rewards, 1, custom_message=f"{name}: `rewards` must be [B]")
+    chex.assert_type(rewards, float, custom_message=f"{name}: `rewards` must be float")
+    chex.assert_equal_shape(
+        [rewards, group_ids], custom_message=f"{name}: `group_ids` must be [B] like `rewards`"
+    )
+    chex.assert_type(group_ids, int, custom_message=f"{name}: `group_ids` must be integer")
+    if valid is None:
+        return jnp.ones(rewards.shape, jnp.float32)
+    chex.assert_equal_shape(
+        [rewards, valid], custom_message=f"{name}: `valid` must be [B] like `rewards`"
+    )
+    return (valid > 0).astype(jnp.float32)
+
+
+def _group_sum(x: jax.Array, group_ids: jax.Array, num_groups: int) -> jax.Array:
+    """Per-group sum gathered back to each sample: `[B]` -> `[B]`."""
+    sums = jax.ops.segment_sum(x, group_ids, num_segments=num_groups)  # [G]
+    return sums[group_ids]  # [B]
+
+
+def grpo_advantages(
+    rewards: jax.Array,
+    group_ids: jax.Array,
+    *,
+    num_groups: int,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """Group-relative advantages: GRPO (Shao et al. 2024, arXiv:2402.03300).
+
+        A_i = (r_i - mean_g) / (std_g + eps)        scale_by_std=True (GRPO)
+        A_i = r_i - mean_g                          scale_by_std=False (Dr. GRPO,
+                                                    Liu et al. 2025, arXiv:2503.20783)
+
+    mean_g and std_g are over the valid members of sample i's group; std_g is the
+    population standard deviation (ddof=0), so a group of one valid sample, or one
+    whose rewards are all equal, gets advantage 0.
+
+    Args:
+      rewards: `[B]` float sequence rewards.
+      group_ids: `[B]` int group of each sample, in [0, num_groups).
+      num_groups: number of groups G (static).
+      scale_by_std: divide by the group std (GRPO) or not (Dr. GRPO).
+      eps: added to the std before dividing.
+      valid: optional `[B]` float mask; excluded samples get 0 and are not counted.
+
+    Returns:
+      `[B]` float32 advantages.
+    """
+    valid = _check_group_args("grpo_advantages", rewards, group_ids, valid)
+    r = jnp.where(valid > 0, rewards.astype(jnp.float32), 0.0)  # [B]
+    count = jnp.maximum(_group_sum(valid, group_ids, num_groups), 1.0)  # [B]
+    mean = _group_sum(r, group_ids, num_groups) / count  # [B]
+    centred = (r - mean) * valid  # [B]
+    if scale_by_std:
+        var = _group_sum(jnp.square(centred), group_ids, num_groups) / count  # [B]
+        centred = centred / (jnp.sqrt(var) + eps)
+    return centred * valid
+
+
+def rloo_advantages(
+    rewards: jax.Array,
+    group_ids: jax.Array,
+    *,
+    num_groups: int,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """REINFORCE leave-one-out advantages (Ahmadian et al. 2024, arXiv:2402.14740).
+
+        A_i = r_i - (1 / (n_g - 1)) Σ_{j in g, j != i} r_j  =  n_g / (n_g - 1) (r_i - mean_g)
+
+    over the n_g valid members of sample i's group; a group with a single valid
+    member has no baseline and gets advantage 0.
+
+    Args:
+      rewards: `[B]` float sequence rewards.
+      group_ids: `[B]` int group of each sample, in [0, num_groups).
+      num_groups: number of groups G (static).
+      valid: optional `[B]` float mask; excluded samples get 0 and are not counted.
+
+    Returns:
+      `[B]` float32 advantages.
+    """
+    valid = _check_group_args("rloo_advantages", rewards, group_ids, valid)
+    r = jnp.where(valid > 0, rewards.astype(jnp.float32), 0.0)  # [B]
+    count = _group_sum(valid, group_ids, num_groups)  # [B]
+    others = count - 1.0  # [B]
+    baseline = (_group_sum(r, group_ids, num_groups) - r) / jnp.maximum(others, 1.0)  # [B]
+    return jnp.where((others > 0) & (valid > 0), r - baseline, 0.0)
+
+
+def sequence_to_tokens(seq_values: jax.Array, mask: jax.Array) -> jax.Array:
+    """Broadcast a per-sequence value to every real token: out[b, t] = v[b] * mask[b, t].
+
+    Args:
+      seq_values: `[B]` per-sequence values (e.g. advantages).
+      mask: `[B, T]` response mask.
+
+    Returns:
+      `[B, T]` float32, zero where mask is 0.
+    """
+    chex.assert_rank(seq_values, 1, custom_message="sequence_to_tokens: `seq_values` must be [B]")
+    chex.assert_rank(mask, 2, custom_message="sequence_to_tokens: `mask` must be [B, T]")
+    chex.assert_equal_shape_prefix(
+        [seq_values, mask], 1, custom_message="sequence_to_tokens: batch sizes differ"
+    )
+    return seq_values.astype(jnp.float32)[:, None] * mask.astype(jnp.float32)  # [B, T]
