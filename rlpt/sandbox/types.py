@@ -11,7 +11,7 @@ import enum
 from typing import Any
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     """Outcome of one program run. Only ``PASSED`` counts as a pass."""
 
     PASSED = "passed"

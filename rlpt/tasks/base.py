@@ -1,0 +1,211 @@
+"""The task interface shared by every domain: tasks, verification results, domains.
+
+A domain turns ``(split, seed, difficulty)`` into a ``Task`` deterministically and
+scores completions for it. Completions follow rlpt's fixed format: reasoning
+steps separated by ``<step>``, the final answer after ``<answer>``, e.g.
+``"12+7=19<step>19*2=38<answer>38"``.
+
+Train and held-out tasks never share a prompt: each candidate problem is put in
+one partition by a hash of its prompt, and ``generate`` samples candidates until
+one lands in the requested partition. The ``ood`` split draws from the held-out
+partition, so an out-of-distribution prompt is never a training prompt either.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+STEP = "<step>"
+ANSWER = "<answer>"
+SPLITS = ("train", "heldout", "ood")
+
+# Tokens a decoder may leave in decoded text; nothing after them is part of the answer.
+_END_MARKERS = ("<eos>", "<pad>")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One problem: the prompt a policy sees and what its verifier needs.
+
+    ``answer`` is the reference final answer where one exists (None for code
+    judged only by tests); ``data`` holds verifier inputs such as hidden tests.
+    """
+
+    id: str
+    domain: str
+    prompt: str
+    difficulty: int
+    answer: str | None = None
+    data: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    split: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyResult:
+    """How one completion scored.
+
+    ``outcome`` is one of ``correct``, ``partial``, ``wrong``, ``no_answer`` or a
+    sandbox status (``syntax_error``, ``timeout``, ...). ``valid`` is False only
+    when the sandbox itself failed: the trainer drops such samples rather than
+    scoring them zero, since the policy did nothing wrong.
+    """
+
+    reward: float
+    outcome: str
+    valid: bool = True
+    details: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+
+    @property
+    def correct(self) -> bool:
+        return self.outcome == "correct"
+
+
+def _cut_end_markers(text: str) -> str:
+    for marker in _END_MARKERS:
+        cut = text.find(marker)
+        if cut >= 0:
+            text = text[:cut]
+    return text
+
+
+def extract_answer(completion: str) -> str | None:
+    """The text after the last ``<answer>``, stripped; None without the marker."""
+    pos = completion.rfind(ANSWER)
+    if pos < 0:
+        return None
+    return _cut_end_markers(completion[pos + len(ANSWER) :]).strip()
+
+
+def split_steps(completion: str) -> list[str]:
+    """The reasoning steps before the last ``<answer>``, each stripped.
+
+    One entry per segment, empty ones included, so entry ``i`` is the text ended
+    by the ``i``-th separator (``<step>`` or the final ``<answer>``): this is
+    how a process reward lines labels up with separator tokens.
+    """
+    pos = completion.rfind(ANSWER)
+    body = completion if pos < 0 else completion[:pos]
+    body = _cut_end_markers(body)
+    if not body.strip():
+        return []
+    return [s.strip() for s in body.split(STEP)]
+
+
+def stable_hash(*parts: object) -> int:
+    """A 64-bit hash of ``parts`` that, unlike ``hash``, is the same in every process."""
+    text = "\x1f".join(str(p) for p in parts)
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "little")
+
+
+def partition_of(prompt: str, heldout_fraction: float) -> str:
+    """``train`` or ``heldout`` for a prompt, by a hash of its text."""
+    bucket = stable_hash("rlpt-partition", prompt) % 1_000_000
+    return "heldout" if bucket < heldout_fraction * 1_000_000 else "train"
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What a procedural domain's sampler returns; ``generate`` wraps it in a Task."""
+
+    prompt: str
+    answer: str | None
+    data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Domain(abc.ABC):
+    """A family of verifiable tasks.
+
+    Subclasses set ``name``, ``max_difficulty`` and ``needs_sandbox`` and either
+    implement ``_sample`` (procedural domains; ``generate`` handles seeding and
+    the split partition) or override ``generate`` (fixed problem lists).
+    """
+
+    name: str = ""
+    max_difficulty: int = 1
+    needs_sandbox: bool = False
+    heldout_fraction: float = 0.2
+    # Rejection sampling for the partition needs about 1 / fraction tries; this
+    # bound only turns a broken sampler into an error instead of a hang.
+    _max_attempts: int = 10_000
+
+    def _sample(self, rng: random.Random, difficulty: int) -> Problem:
+        raise NotImplementedError(f"{type(self).__name__} must implement _sample or generate")
+
+    def check_difficulty(self, difficulty: int) -> None:
+        if not 1 <= difficulty <= self.max_difficulty:
+            raise ValueError(
+                f"{self.name}: difficulty must be in 1..{self.max_difficulty}, got {difficulty}"
+            )
+
+    def generate(self, split: str, seed: int, difficulty: int) -> Task:
+        """The task for ``(split, seed, difficulty)``: always the same one."""
+        check_split(split)
+        self.check_difficulty(difficulty)
+        partition = "train" if split == "train" else "heldout"
+        for attempt in range(self._max_attempts):
+            rng = random.Random(stable_hash(self.name, split, difficulty, seed, attempt))
+            problem = self._sample(rng, difficulty)
+            if partition_of(problem.prompt, self.heldout_fraction) == partition:
+                return Task(
+                    id=f"{self.name}/{split}/d{difficulty}/{seed}",
+                    domain=self.name,
+                    prompt=problem.prompt,
+                    difficulty=difficulty,
+                    answer=problem.answer,
+                    data=problem.data,
+                    split=split,
+                )
+        raise RuntimeError(
+            f"{self.name}: no {partition} problem at difficulty {difficulty} after "
+            f"{self._max_attempts} samples; the problem space is too small"
+        )
+
+    def tasks(self, split: str, n: int, difficulty: int, seed: int = 0) -> list[Task]:
+        """``n`` tasks; task ``i`` is ``generate(split, seed * 2**32 + i, difficulty)``.
+
+        The stride keeps the task lists of different ``seed`` values apart.
+        """
+        return [self.generate(split, seed * 2**32 + i, difficulty) for i in range(n)]
+
+    @abc.abstractmethod
+    def demonstration(self, task: Task) -> str:
+        """A correct completion in rlpt's format, for supervised warm starts."""
+
+    @abc.abstractmethod
+    def verify_batch(
+        self, tasks: Sequence[Task], completions: Sequence[str], pool: Any = None
+    ) -> list[VerifyResult]:
+        """Score ``completions[i]`` for ``tasks[i]``; sandbox domains use one ``run_batch``."""
+
+    def verify(self, task: Task, completion: str, pool: Any = None) -> VerifyResult:
+        return self.verify_batch([task], [completion], pool=pool)[0]
+
+
+class AnswerDomain(Domain):
+    """A domain whose completions are judged in-process from the final answer alone."""
+
+    def verify_batch(
+        self, tasks: Sequence[Task], completions: Sequence[str], pool: Any = None
+    ) -> list[VerifyResult]:
+        del pool  # answers are checked in-process; nothing runs untrusted code
+        _check_lengths(tasks, completions)
+        return [self.verify_one(t, c) for t, c in zip(tasks, completions)]
+
+    @abc.abstractmethod
+    def verify_one(self, task: Task, completion: str) -> VerifyResult:
+        """Score one completion."""
+
+
+def _check_lengths(tasks: Sequence[Task], completions: Sequence[str]) -> None:
+    if len(tasks) != len(completions):
+        raise ValueError(f"{len(tasks)} tasks but {len(completions)} completions")
