@@ -1,0 +1,17 @@
+"""Isolated execution of untrusted programs: the pool, its request and result types.
+
+``SandboxPool`` imports nothing heavy, and its workers are fresh interpreters, so the pool is
+safe to create from a process that has already imported JAX.
+"""
+
+from rlpt.sandbox.pool import SandboxPool, outputs_match
+from rlpt.sandbox.types import ExecutionRequest, ExecutionResult, IOCase, Status
+
+__all__ = [
+    "ExecutionRequest",
+    "ExecutionResult",
+    "IOCase",
+    "SandboxPool",
+    "Status",
+    "outputs_match",
+]

@@ -1,0 +1,543 @@
+"""A pool of isolated code-execution workers for rewards and evaluation.
+
+``SandboxPool`` starts ``workers`` long-lived interpreters running ``_worker.py`` as fresh
+processes (``subprocess``, fork+exec), so it is safe to use from a process that has already
+imported JAX: nothing that holds JAX's threads is ever forked. Each worker forks one isolated
+child per run (see ``_worker`` for the process tree and the pass sentinel). One dispatcher
+thread per worker feeds it from a shared queue, so concurrency is bounded by ``workers``.
+
+Each worker slot runs programs as its own uid (a random base per pool plus the slot index), so
+limits that count per user (``RLIMIT_NPROC``) never let one run's fork bomb starve a neighbour,
+and two pools on one machine do not share uids.
+
+Judging: a run passes only when execution falls off the end of ``tests`` (or of ``code`` when
+there are none) and, with ``io_cases``, every case's stdout matches, compared here in the
+parent. Any ``SystemExit`` counts as stopping early, so test code must not call ``exit``
+(``unittest.main(exit=False)``, not ``unittest.main()``). Precedence when several causes
+apply: sandbox failure, output cap, wall-clock timeout, pass, memory, CPU time, syntax,
+assertion, early exit, other errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import queue
+import secrets
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from rlpt.sandbox.types import ExecutionRequest, ExecutionResult, IOCase, Status
+
+log = logging.getLogger(__name__)
+
+_WORKER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+# Only what an interpreter needs: nothing from the caller's environment reaches a run.
+_WORKER_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+_START_TIMEOUT_S = 30.0
+# Beyond a run's own limit, time allowed for fork, namespace set-up and teardown.
+_SLACK_S = 5.0
+_TRACE_TEXT_CHARS = 4000
+
+
+class _WorkerDied(RuntimeError):
+    pass
+
+
+class _Slot:
+    """One worker process and the pipes to it; used by exactly one dispatcher thread."""
+
+    def __init__(
+        self,
+        index: int,
+        uid: int,
+        features: Sequence[str] | None,
+        options: Mapping[str, Any] | None = None,
+    ):
+        self.index = index
+        self.uid = uid
+        self.features = features
+        self.options = dict(options or {})
+        self.proc: subprocess.Popen | None = None
+        self.missing: list[str] = []
+
+    def spawn(self) -> None:
+        cfg: dict[str, Any] = {**self.options, "uid": self.uid}
+        if self.features is not None:
+            cfg["features"] = list(self.features)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", _WORKER_PATH, json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=_WORKER_ENV,
+            close_fds=True,
+            start_new_session=True,
+        )
+
+    def wait_ready(self) -> None:
+        msg = self._recv(time.monotonic() + _START_TIMEOUT_S)
+        if not msg.get("ready"):
+            raise _WorkerDied(f"worker {self.index} did not start: {msg}")
+        self.missing = list(msg.get("missing", []))
+
+    def start(self) -> None:
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.spawn()
+        self.wait_ready()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def call(self, job: dict, deadline: float) -> dict:
+        assert self.proc is not None and self.proc.stdin is not None
+        data = json.dumps(job).encode()
+        try:
+            self.proc.stdin.write(struct.pack(">I", len(data)) + data)
+            self.proc.stdin.flush()
+        except OSError as e:
+            raise _WorkerDied(f"worker {self.index} is gone: {e}") from e
+        return self._recv(deadline)
+
+    def _recv(self, deadline: float) -> dict:
+        head = self._read(4, deadline)
+        return json.loads(self._read(struct.unpack(">I", head)[0], deadline))
+
+    def _read(self, n: int, deadline: float) -> bytes:
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        parts, got = [], 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise _WorkerDied(f"worker {self.index} did not answer in time")
+            chunk = os.read(fd, n - got)
+            if not chunk:
+                raise _WorkerDied(f"worker {self.index} exited (code {self.proc.poll()})")
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Close stdin (an idle worker exits), then kill; its runs die with it.
+
+        The Popen object stays in place: a dispatcher thread still reading from it sees EOF.
+        """
+        proc = self.proc
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            if proc.stdin is not None:
+                proc.stdin.close()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            # The worker's relay leads its own process group; the worker is PID 1 of the
+            # namespace that holds its runs, so they all end with it.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+class _Batch:
+    """Results of one submission, collected by index; cancelled when abandoned or late."""
+
+    def __init__(self, n: int, deadline: float | None):
+        self.deadline = deadline
+        self.results: queue.Queue = queue.Queue()
+        self.n = n
+        self.lock = threading.Lock()
+        self.cancelled = False  # set at the deadline or when the consumer goes away
+        self.started: set[int] = set()
+        self.done: set[int] = set()
+
+
+class SandboxPool:
+    """Run untrusted programs in isolated children of long-lived worker interpreters.
+
+    Args:
+      workers: number of worker processes, i.e. of programs running at once.
+      timeout_s: default wall-clock limit per run (CPU time is capped at ceil(timeout_s)).
+      memory_mb: default address-space limit per run.
+      output_limit_bytes: cap on each of stdout and stderr; passing it ends the run.
+      trace_path: if set, every finished request is appended to this JSONL file.
+      file_size_mb: largest file a run may write (in its private /tmp).
+      max_processes: processes and threads a run may have (per slot uid).
+      max_open_files: open file descriptors a run may have.
+      require_isolation: raise instead of warning when a protection is unavailable.
+      features: restrict the protections tried (testing the degraded path); None tries all.
+      worker_options: extra worker settings, for tests: ``{"rootless": True}`` takes the
+        unprivileged (user-namespace) path even as root.
+    """
+
+    def __init__(
+        self,
+        workers: int = 4,
+        timeout_s: float = 2.0,
+        memory_mb: int = 256,
+        output_limit_bytes: int = 64_000,
+        trace_path: str | None = None,
+        *,
+        file_size_mb: int = 16,
+        max_processes: int = 32,
+        max_open_files: int = 64,
+        require_isolation: bool = False,
+        features: Sequence[str] | None = None,
+        worker_options: Mapping[str, Any] | None = None,
+    ):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.timeout_s = float(timeout_s)
+        self.memory_mb = int(memory_mb)
+        self.output_limit_bytes = int(output_limit_bytes)
+        self.trace_path = trace_path
+        self._limits = {
+            "file_size_mb": int(file_size_mb),
+            "max_processes": int(max_processes),
+            "max_open_files": int(max_open_files),
+        }
+        self._trace_lock = threading.Lock()
+        self._jobs: queue.Queue = queue.Queue()
+        self._closed = False
+        uid_base = 100_000 + secrets.randbelow(1 << 20) * 64
+        self._slots = [_Slot(i, uid_base + i, features, worker_options) for i in range(workers)]
+        try:
+            for slot in self._slots:
+                slot.spawn()
+            for slot in self._slots:
+                slot.wait_ready()
+        except BaseException:
+            for slot in self._slots:
+                slot.stop(grace_s=0.1)
+            raise
+        missing = sorted({m for s in self._slots for m in s.missing})
+        self.isolation = "full" if not missing else "missing: " + ", ".join(missing)
+        if missing:
+            msg = (
+                f"SandboxPool runs WITHOUT full isolation; missing: {', '.join(missing)}. "
+                "Programs may reach what these protections would have hidden."
+            )
+            if require_isolation:
+                self.close()
+                raise RuntimeError(msg)
+            log.warning(msg)
+        self._threads = [
+            threading.Thread(
+                target=self._dispatch, args=(slot,), daemon=True, name=f"sandbox-slot-{slot.index}"
+            )
+            for slot in self._slots
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def run_batch(
+        self,
+        requests: Sequence[ExecutionRequest],
+        deadline_s: float | None = None,
+        metadata: Sequence[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> list[ExecutionResult]:
+        """Run all ``requests``; results come back in the same order."""
+        out: list[ExecutionResult | None] = [None] * len(requests)
+        for index, res in self._submit(requests, deadline_s, metadata):
+            out[index] = res
+        return out  # type: ignore[return-value]
+
+    def as_completed(
+        self,
+        requests: Sequence[ExecutionRequest],
+        deadline_s: float | None = None,
+        metadata: Sequence[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> Iterator[ExecutionResult]:
+        """Yield results as runs finish (``details["index"]`` is the request's position).
+
+        ``deadline_s`` bounds the whole batch: runs still queued then come back as
+        ``timeout`` at once, and running ones are cut at the deadline by their worker.
+        ``metadata`` (one mapping per request, or a mapping keyed by request id) is only
+        written to the trace log, e.g. ``task_id``, ``domain``, ``prompt``, ``completion``.
+        """
+        return (res for _, res in self._submit(requests, deadline_s, metadata))
+
+    def close(self) -> None:
+        """Stop every worker; no process started by the pool survives this call."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._slots:
+            self._jobs.put(None)
+        # Stopping the workers first cuts short the runs the dispatchers are waiting on.
+        for slot in self._slots:
+            slot.stop(grace_s=0.2)
+        for t in getattr(self, "_threads", []):
+            t.join(timeout=30.0)
+        for slot in self._slots:
+            slot.stop(grace_s=0.2)  # again: a dispatcher may have restarted one meanwhile
+            if slot.proc is not None and slot.proc.stdout is not None:
+                slot.proc.stdout.close()
+
+    def __enter__(self) -> SandboxPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # At interpreter shutdown the modules close() needs may already be gone.
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _submit(self, requests, deadline_s, metadata) -> Iterator[tuple[int, ExecutionResult]]:
+        """Queue the batch now and return the iterator over its results."""
+        if self._closed:
+            raise RuntimeError("SandboxPool is closed")
+        requests = list(requests)
+        deadline = None if deadline_s is None else time.monotonic() + float(deadline_s)
+        batch = _Batch(len(requests), deadline)
+        metas = _metadata_list(requests, metadata)
+        for i, req in enumerate(requests):
+            self._jobs.put((batch, i, req))
+        return self._collect(batch, requests, metas)
+
+    def _collect(self, batch: _Batch, requests, metas) -> Iterator[tuple[int, ExecutionResult]]:
+        try:
+            while len(batch.done) < batch.n:
+                try:
+                    left = None
+                    if batch.deadline is not None and not batch.cancelled:
+                        left = max(0.0, batch.deadline - time.monotonic())
+                    index, res = batch.results.get(timeout=left)
+                    ready = [(index, res)]
+                except queue.Empty:
+                    # Deadline: what has not started is a timeout now; what is running is cut
+                    # by its worker at the same deadline and arrives in a moment.
+                    ready = []
+                    with batch.lock:
+                        batch.cancelled = True
+                        for i, req in enumerate(requests):
+                            if i not in batch.started and i not in batch.done:
+                                ready.append((i, self._late(req)))
+                for index, res in ready:
+                    if index in batch.done:
+                        continue
+                    batch.done.add(index)
+                    res.details["index"] = index
+                    if self.trace_path:
+                        self._trace(requests[index], res, metas[index])
+                    yield index, res
+        finally:
+            # An abandoned iterator must not keep the workers busy.
+            with batch.lock:
+                batch.cancelled = True
+
+    def _late(self, req: ExecutionRequest) -> ExecutionResult:
+        return ExecutionResult(
+            id=req.id,
+            status=Status.TIMEOUT,
+            isolation=self.isolation,
+            details={"reason": "batch deadline passed before the run"},
+        )
+
+    def _dispatch(self, slot: _Slot) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            batch, index, req = item
+            with batch.lock:
+                if batch.cancelled:
+                    continue  # already answered as a timeout, or nobody is listening
+                batch.started.add(index)
+            try:
+                res = self._run_on(slot, batch, req)
+            except Exception as e:  # noqa: BLE001 - a dispatcher must never die
+                log.exception("sandbox dispatcher failed")
+                res = self._sandbox_error(req, f"{type(e).__name__}: {e}")
+            batch.results.put((index, res))
+
+    def _run_on(self, slot: _Slot, batch: _Batch, req: ExecutionRequest) -> ExecutionResult:
+        now = time.monotonic()
+        if batch.deadline is not None and now >= batch.deadline:
+            return self._late(req)
+        timeout_s = self.timeout_s if req.timeout_s is None else float(req.timeout_s)
+        job = {
+            "code": req.code,
+            "tests": req.tests,
+            "stdins": [c.stdin for c in req.io_cases] or None,
+            "timeout_s": timeout_s,
+            "deadline": batch.deadline,
+            "memory_mb": self.memory_mb if req.memory_mb is None else int(req.memory_mb),
+            "output_limit": self.output_limit_bytes,
+            **self._limits,
+        }
+        n_runs = max(1, len(req.io_cases))
+        call_deadline = now + n_runs * (timeout_s + _SLACK_S)
+        if batch.deadline is not None:
+            call_deadline = min(call_deadline, batch.deadline + _SLACK_S)
+        if self._closed:
+            return self._sandbox_error(req, "the pool was closed before the run")
+        if not slot.alive():
+            log.warning("sandbox worker %d died; starting a new one", slot.index)
+            slot.stop(grace_s=0.1)
+            slot.start()
+        try:
+            reply = slot.call(job, call_deadline)
+        except _WorkerDied as e:
+            if self._closed:
+                return self._sandbox_error(req, "the pool was closed during the run")
+            log.warning("sandbox worker %d failed (%s); replacing it", slot.index, e)
+            slot.stop(grace_s=0.1)
+            try:
+                slot.start()
+            except Exception as e2:  # noqa: BLE001
+                log.error("could not restart sandbox worker %d: %s", slot.index, e2)
+            return self._sandbox_error(req, str(e))
+        if "error" in reply:
+            return self._sandbox_error(req, reply["error"])
+        return _judge(req, reply["runs"], self.isolation, timeout_s)
+
+    def _sandbox_error(self, req: ExecutionRequest, why: str) -> ExecutionResult:
+        return ExecutionResult(
+            id=req.id,
+            status=Status.SANDBOX_ERROR,
+            isolation=self.isolation,
+            details={"reason": why},
+        )
+
+    def _trace(self, req: ExecutionRequest, res: ExecutionResult, meta: Mapping[str, Any]):
+        record = {
+            "task_id": meta.get("task_id", req.id),
+            "domain": meta.get("domain"),
+            "prompt": meta.get("prompt"),
+            "completion": meta.get("completion"),
+            "program": req.code,
+            "tests": req.tests,
+            "io_cases": [dataclasses.asdict(c) for c in req.io_cases] or None,
+            "outcome": res.status.value,
+            "exception": res.exception,
+            "exit_code": res.exit_code,
+            "signal": res.signal,
+            "stdout": res.stdout[:_TRACE_TEXT_CHARS],
+            "stderr": res.stderr[:_TRACE_TEXT_CHARS],
+            "duration_s": res.duration_s,
+            "peak_memory_mb": res.peak_memory_mb,
+            "isolation": res.isolation,
+            "time": time.time(),
+        }
+        extra = {k: v for k, v in meta.items() if k not in record}
+        record.update(extra)
+        line = json.dumps(record, default=str) + "\n"
+        with self._trace_lock, open(self.trace_path, "a", encoding="utf-8") as f:
+            f.write(line)
+
+
+def _metadata_list(requests: Sequence[ExecutionRequest], metadata) -> list[Mapping[str, Any]]:
+    if metadata is None:
+        return [{} for _ in requests]
+    if isinstance(metadata, Mapping):
+        return [metadata.get(r.id, {}) for r in requests]
+    metadata = list(metadata)
+    if len(metadata) != len(requests):
+        raise ValueError(f"{len(metadata)} metadata entries for {len(requests)} requests")
+    return metadata
+
+
+def outputs_match(actual: str, expected: str, match: str = "whitespace") -> bool:
+    """Competitive-programming comparison: exact bytes, or whitespace-separated tokens."""
+    if match == "exact":
+        return actual == expected
+    if match == "whitespace":
+        return actual.split() == expected.split()
+    raise ValueError(f"unknown match mode {match!r}")
+
+
+def _classify(run: dict, timeout_s: float) -> tuple[Status, dict[str, Any]]:
+    """Status of one raw run; the order encodes which cause wins when several apply."""
+    report = run.get("report") or {}
+    kind = report.get("kind")
+    info: dict[str, Any] = {}
+    if run.get("error"):
+        return Status.SANDBOX_ERROR, {"reason": run["error"]}
+    if run.get("killed") == "output" or run.get("stdout_overflow") or run.get("stderr_overflow"):
+        return Status.OUTPUT_LIMIT, info
+    if run.get("killed") == "timeout":
+        return Status.TIMEOUT, {"reason": "wall-clock"}
+    if run.get("reached_end"):
+        return Status.PASSED, info
+    sig = run.get("signal")
+    # A MemoryError can also strike while the bootstrap reports, leaving only the traceback.
+    if kind == "memory" or (not kind and "MemoryError" in (run.get("stderr") or "")[-2000:]):
+        return Status.MEMORY_LIMIT, info
+    cpu_s = run.get("cpu_s") or 0.0
+    if sig == 24 or (sig == 9 and cpu_s >= max(1.0, timeout_s) - 0.05):  # SIGXCPU / SIGKILL
+        return Status.TIMEOUT, {"reason": "cpu time"}
+    if kind == "syntax":
+        return Status.SYNTAX_ERROR, info
+    if kind == "assert":
+        return Status.FAILED, {"reason": "assertion failed"}
+    if kind == "exit":
+        if not report.get("code"):
+            return Status.FAILED, {"reason": "exited before the end"}
+        return Status.RUNTIME_ERROR, {"reason": f"exit status {report.get('code')}"}
+    if kind == "exception":
+        return Status.RUNTIME_ERROR, {"reason": "uncaught exception"}
+    if sig is not None:
+        return Status.RUNTIME_ERROR, {"reason": f"killed by signal {sig}"}
+    if run.get("exit_code") == 0:
+        return Status.FAILED, {"reason": "exited before the end"}
+    return Status.RUNTIME_ERROR, {"reason": f"exit status {run.get('exit_code')}"}
+
+
+def _judge(
+    req: ExecutionRequest, runs: list[dict], isolation: str, timeout_s: float
+) -> ExecutionResult:
+    """Fold the raw runs of one request (one per IO case) into one result."""
+    cases: Iterable[IOCase | None] = req.io_cases or [None]
+    status, info, last = Status.PASSED, {}, runs[-1]
+    for case, run in zip(cases, runs):
+        last = run
+        status, info = _classify(run, timeout_s)
+        if (
+            status == Status.PASSED
+            and case is not None
+            and not outputs_match(run.get("stdout", ""), case.expected_stdout, case.match)
+        ):
+            status, info = Status.FAILED, {"reason": "wrong answer"}
+        if status != Status.PASSED:
+            break
+    if status == Status.PASSED and len(runs) < len(req.io_cases):
+        status, info = Status.SANDBOX_ERROR, {"reason": "runs missing from the worker's reply"}
+    report = last.get("report") or {}
+    details = dict(info)
+    if req.io_cases:
+        details["cases_run"] = len(runs)
+        details["cases_total"] = len(req.io_cases)
+    if report.get("msg"):
+        details["message"] = report["msg"]
+    if report.get("phase"):
+        details["phase"] = report["phase"]
+    maxrss = [r["maxrss_kb"] for r in runs if r.get("maxrss_kb")]
+    return ExecutionResult(
+        id=req.id,
+        status=status,
+        stdout=last.get("stdout", ""),
+        stderr=last.get("stderr", ""),
+        exit_code=last.get("exit_code"),
+        signal=last.get("signal"),
+        duration_s=sum(r.get("duration_s", 0.0) for r in runs),
+        peak_memory_mb=max(maxrss) / 1024.0 if maxrss else None,
+        exception=report.get("exc"),
+        isolation=isolation,
+        details=details,
+    )
