@@ -472,8 +472,10 @@ def test_close_leaves_no_process():
         args=(
             [
                 ExecutionRequest(
-                    code="import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n"
-                    "time.sleep(60)\n"
+                    code=(
+                        "import os, time\nif os.fork() == 0:\n    os.setsid()\n"
+                        "    time.sleep(60)\ntime.sleep(60)\n"
+                    )
                 )
             ]
             * 2,
