@@ -204,3 +204,32 @@ def test_ppo_raises_the_probability_of_rewarded_tokens():
         batch = trainer.advantages(state, trainer.score(state, ref, batch))
         state, _ = trainer.update(state, batch)
     assert np.mean(rates[-3:]) > np.mean(rates[:3]) + 0.25, rates
+
+
+def test_learning_rate_schedules_by_hand():
+    from rlpt.rl import learning_rate_schedule
+
+    cfg = PPOConfig(schedule="warmup_linear", warmup_steps=10, total_steps=110, end_lr_fraction=0.1)
+    lr = learning_rate_schedule(cfg, 1.0)
+    # Linear warmup 0 -> 1 over 10 steps, then linear decay 1 -> 0.1 over the next 100.
+    np.testing.assert_allclose([lr(0), lr(5), lr(10), lr(60), lr(110)], [0, 0.5, 1, 0.55, 0.1])
+    cosine = learning_rate_schedule(dataclasses.replace(cfg, schedule="warmup_cosine"), 1.0)
+    # Half-way through the cosine: end + (peak - end) * (1 + cos(pi / 2)) / 2 = 0.55.
+    np.testing.assert_allclose([cosine(10), cosine(60), cosine(110)], [1, 0.55, 0.1], atol=1e-6)
+    constant = learning_rate_schedule(PPOConfig(), 3e-4)
+    assert float(constant(0)) == float(constant(10_000)) == 3e-4
+
+
+def test_adaptive_learning_rate_follows_the_measured_kl():
+    from rlpt.rl.ppo import _adapt_lr
+
+    cfg = PPOConfig(adaptive_lr="kl", adaptive_lr_target=0.02, adaptive_lr_bounds=(0.5, 2.0))
+    one = jnp.ones(())
+    # Over twice the target: divide by the factor; under half: multiply; in between: keep.
+    assert float(_adapt_lr(cfg, one, {"approx_kl": 0.05})) == pytest.approx(1 / 1.5)
+    assert float(_adapt_lr(cfg, one, {"approx_kl": 0.001})) == pytest.approx(1.5)
+    assert float(_adapt_lr(cfg, one, {"approx_kl": 0.02})) == 1.0
+    # Bounded.
+    assert float(_adapt_lr(cfg, 1.9 * one, {"approx_kl": 0.0})) == 2.0
+    clip = dataclasses.replace(cfg, adaptive_lr="clip_frac", adaptive_lr_target=0.2)
+    assert float(_adapt_lr(clip, one, {"clip_frac": 0.5, "approx_kl": 0.0})) < 1.0
