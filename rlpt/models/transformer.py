@@ -49,6 +49,19 @@ def _matmul(equation: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     )
 
 
+def _project(module: nnx.Module, name: str, equation: str, x: jax.Array, dtype) -> jax.Array:
+    """``x`` times the weight ``module.<name>``, plus its LoRA adapter when one is attached.
+
+    Adapters (``rlpt.models.lora``) live beside the weight as ``lora_<name>``; the
+    low-rank path runs next to the frozen matmul instead of materialising ``W + A B``.
+    """
+    out = _matmul(equation, x, getattr(module, name)[...], dtype)
+    adapter = getattr(module, f"lora_{name}", None)
+    if adapter is not None:
+        out = out + adapter(x, dtype)
+    return out
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
         del rngs
@@ -145,9 +158,9 @@ class Attention(nnx.Module):
         """x [B, T, D]; allowed [B, T, S]; layer_cache None or (k, v, index) with [B, S, K, H]."""
         cfg = self.config
         dtype = cfg.compute_dtype
-        q = _matmul("btd,dnh->btnh", x, self.wq[...], dtype)
-        k = _matmul("btd,dkh->btkh", x, self.wk[...], dtype)
-        v = _matmul("btd,dkh->btkh", x, self.wv[...], dtype)
+        q = _project(self, "wq", "btd,dnh->btnh", x, dtype)
+        k = _project(self, "wk", "btd,dkh->btkh", x, dtype)
+        v = _project(self, "wv", "btd,dkh->btkh", x, dtype)
         if cfg.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         # Static numpy constants, computed at trace time (a module attribute would become state).
@@ -174,7 +187,7 @@ class Attention(nnx.Module):
         out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(dtype), v,
                          preferred_element_type=jnp.float32)  # fmt: skip
         out = out.reshape(b, t, n, h)
-        return _matmul("btnh,nhd->btd", out, self.wo[...], dtype), new_layer_cache
+        return _project(self, "wo", "btnh,nhd->btd", out, dtype), new_layer_cache
 
 
 class MLP(nnx.Module):
@@ -191,10 +204,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dtype = self.config.compute_dtype
-        gate = _matmul("btd,df->btf", x, self.w_gate[...], dtype)
-        up = _matmul("btd,df->btf", x, self.w_up[...], dtype)
+        gate = _project(self, "w_gate", "btd,df->btf", x, dtype)
+        up = _project(self, "w_up", "btd,df->btf", x, dtype)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-        return _matmul("btf,fd->btd", hidden, self.w_down[...], dtype)
+        return _project(self, "w_down", "btf,fd->btd", hidden, dtype)
 
 
 class Block(nnx.Module):

@@ -202,8 +202,10 @@ def response_log_probs(logits: jax.Array, tokens: jax.Array, prompt_len: int):
     return jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0], resp_logits
 
 
-def _policy_logp(policy_graph, params, batch: RolloutBatch):
-    logits, _ = nnx.merge(policy_graph, params)(batch.tokens, batch.positions, batch.input_mask)
+def _policy_logp(policy_graph, params, batch: RolloutBatch, frozen=None):
+    # `frozen`: parameters outside the trained state (a LoRA policy's shared base).
+    states = (params,) if frozen is None else (params, frozen)
+    logits, _ = nnx.merge(policy_graph, *states)(batch.tokens, batch.positions, batch.input_mask)
     return response_log_probs(logits, batch.tokens, batch.prompt_len)
 
 
@@ -213,12 +215,22 @@ def _values(value_graph, params, batch: RolloutBatch) -> jax.Array:
 
 
 def score_rollout(
-    policy_graph, value_graph, policy_params, ref_params, value_params, batch: RolloutBatch
+    policy_graph,
+    value_graph,
+    policy_params,
+    ref_params,
+    value_params,
+    batch: RolloutBatch,
+    frozen=None,
 ) -> RolloutBatch:
-    """Fill old_logp (the policy itself, temperature 1), ref_logp and values."""
+    """Fill old_logp (the policy itself, temperature 1), ref_logp and values.
+
+    With ``frozen`` (a LoRA policy's base), policy and reference are adapter
+    states merged with that one shared base.
+    """
     mask = batch.response_mask
-    old_logp, _ = _policy_logp(policy_graph, policy_params, batch)
-    ref_logp, _ = _policy_logp(policy_graph, ref_params, batch)
+    old_logp, _ = _policy_logp(policy_graph, policy_params, batch, frozen)
+    ref_logp, _ = _policy_logp(policy_graph, ref_params, batch, frozen)
     values = batch.values
     if value_params is not None:
         values = _values(value_graph, value_params, batch) * mask
@@ -277,10 +289,12 @@ def _normaliser(mask: jax.Array, mode: str) -> jax.Array:
     return jnp.asarray(mask.shape[0], jnp.float32)
 
 
-def _microbatch_loss(cfg, policy_graph, value_graph, params, kl_coef, mb: RolloutBatch, scale):
+def _microbatch_loss(
+    cfg, policy_graph, value_graph, params, kl_coef, mb: RolloutBatch, scale, frozen=None
+):
     policy_params, value_params = params
     mask = mb.response_mask
-    logp, resp_logits = _policy_logp(policy_graph, policy_params, mb)
+    logp, resp_logits = _policy_logp(policy_graph, policy_params, mb, frozen)
     pg_loss, pg_diag = policy_loss(
         logp, mb.old_logp, mb.advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
         dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, seq_weights=mb.loss_weight,
@@ -327,7 +341,13 @@ def _all_finite(tree) -> jax.Array:
 
 
 def accumulated_gradients(
-    cfg: PPOConfig, policy_graph, value_graph, params, kl_coef, minibatch: RolloutBatch
+    cfg: PPOConfig,
+    policy_graph,
+    value_graph,
+    params,
+    kl_coef,
+    minibatch: RolloutBatch,
+    frozen=None,
 ):
     """Gradients of the minibatch loss, summed over ``cfg.grad_accum`` microbatches.
 
@@ -338,7 +358,8 @@ def accumulated_gradients(
     metrics are means over microbatches.
     """
     grad_fn = jax.value_and_grad(
-        functools.partial(_microbatch_loss, cfg, policy_graph, value_graph), has_aux=True
+        functools.partial(_microbatch_loss, cfg, policy_graph, value_graph, frozen=frozen),
+        has_aux=True,
     )
     micro = _split(minibatch, cfg.grad_accum)
     total_norm = _normaliser(minibatch.response_mask, cfg.aggregation)
@@ -371,13 +392,19 @@ def ppo_update(
     *,
     mesh: Mesh | None = None,
     rules: Rules = DEFAULT_RULES,
+    frozen=None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """Epochs of shuffled minibatch PPO updates on a scored, advantaged batch. Pure."""
+    """Epochs of shuffled minibatch PPO updates on a scored, advantaged batch. Pure.
+
+    ``frozen``: policy parameters held fixed outside ``state`` (a LoRA policy's base).
+    """
     with activation_sharding(mesh, rules):
-        return _ppo_update(cfg, policy_graph, value_graph, state, batch)
+        return _ppo_update(cfg, policy_graph, value_graph, state, batch, frozen)
 
 
-def _ppo_update(cfg, policy_graph, value_graph, state: TrainState, batch: RolloutBatch):
+def _ppo_update(
+    cfg, policy_graph, value_graph, state: TrainState, batch: RolloutBatch, frozen=None
+):
     batch_size = batch.batch_size
     policy_tx = make_optimizer(cfg, cfg.learning_rate)
     value_tx = make_optimizer(cfg, cfg.value_learning_rate) if state.value is not None else None
@@ -386,7 +413,9 @@ def _ppo_update(cfg, policy_graph, value_graph, state: TrainState, batch: Rollou
 
     def minibatch_step(carry, mb: RolloutBatch):
         params, opts, lr_scale, skipped = carry
-        grads, metrics = accumulated_gradients(cfg, policy_graph, value_graph, params, kl_coef, mb)
+        grads, metrics = accumulated_gradients(
+            cfg, policy_graph, value_graph, params, kl_coef, mb, frozen
+        )
         finite = _all_finite(grads) & jnp.isfinite(metrics["loss"])
         policy_params, value_params = params
         policy_opt, value_opt = opts
@@ -500,7 +529,10 @@ class PPOTrainer:
     """Jitted, sharded entry points around the pure functions above.
 
     ``update`` donates the train state; the reference parameters are a separate,
-    non-donated argument of ``score``.
+    non-donated argument of ``score``. With ``frozen`` (a LoRA policy: see
+    ``rlpt.models.lora``), the train state's policy and the reference are adapter
+    states only, and ``frozen`` is the one base both are merged with, passed to
+    every jitted call and never donated or differentiated.
     """
 
     def __init__(
@@ -511,8 +543,10 @@ class PPOTrainer:
         *,
         mesh: Mesh | None = None,
         rules: Rules = DEFAULT_RULES,
+        frozen=None,
     ):
         self.cfg = cfg
+        self.frozen = frozen
         self.policy_graph = policy_graph
         self.value_graph = value_graph
         self.mesh = mesh
@@ -544,29 +578,34 @@ class PPOTrainer:
     def update(self, state: TrainState, batch: RolloutBatch):
         check_batch_layout(self.cfg, batch.batch_size, self.mesh, self.rules)
         if self._update is None:
-            fn = functools.partial(
+            update = functools.partial(
                 ppo_update, self.cfg, self.policy_graph, self.value_graph, mesh=self.mesh,
                 rules=self.rules,
             )  # fmt: skip
+            fn = lambda state, batch, frozen: update(state, batch, frozen=frozen)
             if self.mesh is None:
                 self._update = jax.jit(fn, donate_argnums=0)
             else:
                 state_sh = self.state_shardings(state)
+                frozen_sh = (
+                    None if self.frozen is None
+                    else state_shardings(self.frozen, self.mesh, self.rules)
+                )  # fmt: skip
                 self._update = jax.jit(
                     fn,
-                    in_shardings=(state_sh, self._batch_shardings(batch)),
+                    in_shardings=(state_sh, self._batch_shardings(batch), frozen_sh),
                     out_shardings=(state_sh, replicated(self.mesh)),
                     donate_argnums=0,
                 )
-        return self._update(state, batch)
+        return self._update(state, batch, self.frozen)
 
     def score(self, state: TrainState, ref_params, batch: RolloutBatch) -> RolloutBatch:
         if self._score is None:
 
-            def fn(policy, ref, value, batch):
+            def fn(policy, ref, value, batch, frozen):
                 with activation_sharding(self.mesh, self.rules):
                     return score_rollout(
-                        self.policy_graph, self.value_graph, policy, ref, value, batch
+                        self.policy_graph, self.value_graph, policy, ref, value, batch, frozen
                     )
 
             if self.mesh is None:
@@ -578,10 +617,13 @@ class PPOTrainer:
                 batch_sh = self._batch_shardings(batch)
                 self._score = jax.jit(
                     fn,
-                    in_shardings=(sh(state.policy), sh(ref_params), sh(state.value), batch_sh),
+                    in_shardings=(
+                        sh(state.policy), sh(ref_params), sh(state.value), batch_sh,
+                        sh(self.frozen),
+                    ),
                     out_shardings=batch_sh,
-                )
-        return self._score(state.policy, ref_params, state.value, batch)
+                )  # fmt: skip
+        return self._score(state.policy, ref_params, state.value, batch, self.frozen)
 
     def advantages(self, state: TrainState, batch: RolloutBatch) -> RolloutBatch:
         if self._advantages is None:
