@@ -566,8 +566,10 @@ class PPOTrainer:
         return tree_shardings(state, self.mesh, self.rules)
 
     def shard_state(self, state: TrainState) -> TrainState:
+        """Place a fresh state where the update keeps it, so the second update does not
+        recompile for a change from uncommitted to committed arrays."""
         if self.mesh is None:
-            return state
+            return jax.device_put(state, jax.devices()[0])
         return jax.device_put(state, self.state_shardings(state))
 
     def shard_batch(self, batch: RolloutBatch) -> RolloutBatch:
@@ -577,6 +579,11 @@ class PPOTrainer:
 
     def update(self, state: TrainState, batch: RolloutBatch):
         check_batch_layout(self.cfg, batch.batch_size, self.mesh, self.rules)
+        return self.jitted_update(state, batch)(state, batch, self.frozen)
+
+    def jitted_update(self, state: TrainState, batch: RolloutBatch):
+        """The jitted ``(state, batch, frozen) -> (state, metrics)``; ``state`` and ``batch``
+        may be abstract (``jax.ShapeDtypeStruct``s), for ahead-of-time lowering."""
         if self._update is None:
             update = functools.partial(
                 ppo_update, self.cfg, self.policy_graph, self.value_graph, mesh=self.mesh,
@@ -597,7 +604,7 @@ class PPOTrainer:
                     out_shardings=(state_sh, replicated(self.mesh)),
                     donate_argnums=0,
                 )
-        return self._update(state, batch, self.frozen)
+        return self._update
 
     def score(self, state: TrainState, ref_params, batch: RolloutBatch) -> RolloutBatch:
         if self._score is None:
