@@ -9,6 +9,16 @@ from rlpt.models.heads import (
     last_token_index,
 )
 from rlpt.models.init import abstract_model, count_params, create_model
+from rlpt.models.lora import (
+    LoRAConfig,
+    add_lora,
+    combine_lora,
+    create_lora,
+    lora_causal_lm,
+    merge_lora,
+    split_lora,
+    zero_lora,
+)
 from rlpt.models.transformer import KVCache, Transformer, positions_from_mask
 
 __all__ = [
@@ -16,15 +26,23 @@ __all__ = [
     "PRESETS",
     "CausalLM",
     "KVCache",
+    "LoRAConfig",
     "ModelConfig",
     "ProcessRewardModel",
     "RewardModel",
     "Transformer",
     "ValueModel",
     "abstract_model",
+    "add_lora",
+    "combine_lora",
     "count_params",
+    "create_lora",
     "create_model",
     "get_preset",
     "last_token_index",
+    "lora_causal_lm",
+    "merge_lora",
     "positions_from_mask",
+    "split_lora",
+    "zero_lora",
 ]
