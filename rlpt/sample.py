@@ -49,6 +49,11 @@ def main(argv):
     else:
         tokenizer = get_tokenizer()
         config = get_preset(_PRESET.value)
+        if tokenizer.vocab_size > config.vocab_size:
+            raise app.UsageError(
+                f"the tokenizer has {tokenizer.vocab_size} ids but preset {_PRESET.value!r} has "
+                f"model.vocab_size={config.vocab_size}"
+            )
         graphdef, state = create_model(lambda rngs: CausalLM(config, rngs=rngs), init_key)
         logging.info("model %s: random initialisation, seed %d", _PRESET.value, _SEED.value)
     if (_PROMPT_IDS.value is None) == (_PROMPT.value is None):
