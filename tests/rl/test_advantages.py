@@ -1,8 +1,6 @@
 """Critic-free group advantages against hand-worked cases, identities and Python loops."""
 
-import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,17 +9,6 @@ from rlpt.rl import grpo_advantages, rloo_advantages, sequence_to_tokens
 
 # float32 means and stds over a few values of order 1.
 ATOL = 1e-5
-
-
-@pytest.fixture(params=[False, True], ids=["nojit", "jit"])
-def variant(request):
-    """Binds keyword config with functools.partial, then jits or not."""
-
-    def wrap(fn, **static):
-        bound = functools.partial(fn, **static)
-        return jax.jit(bound) if request.param else bound
-
-    return wrap
 
 
 def _random_groups(seed, num_groups=4, batch=14):

@@ -1,8 +1,6 @@
 """GAE and whitening against hand-worked cases, identities and a plain-Python oracle."""
 
-import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,17 +9,6 @@ from rlpt.rl import gae, whiten
 
 # float32 accumulations over a handful of steps: a few ulps of values of order 1.
 ATOL = 1e-5
-
-
-@pytest.fixture(params=[False, True], ids=["nojit", "jit"])
-def variant(request):
-    """Binds keyword config with functools.partial, then jits or not."""
-
-    def wrap(fn, **static):
-        bound = functools.partial(fn, **static)
-        return jax.jit(bound) if request.param else bound
-
-    return wrap
 
 
 def _random_batch(seed, batch=6, length=7, with_holes=True):

@@ -22,17 +22,6 @@ from rlpt.rl import (
 ATOL = 1e-5
 
 
-@pytest.fixture(params=[False, True], ids=["nojit", "jit"])
-def variant(request):
-    """Binds keyword config with functools.partial, then jits or not."""
-
-    def wrap(fn, **static):
-        bound = functools.partial(fn, **static)
-        return jax.jit(bound) if request.param else bound
-
-    return wrap
-
-
 def _kl_oracle(logp, ref_logp, kind):
     out = np.zeros(np.shape(logp))
     for i in np.ndindex(out.shape):

@@ -22,17 +22,6 @@ from rlpt.rl import (
 ATOL = 1e-5
 
 
-@pytest.fixture(params=[False, True], ids=["nojit", "jit"])
-def variant(request):
-    """Binds keyword config with functools.partial, then jits or not."""
-
-    def wrap(fn, **static):
-        bound = functools.partial(fn, **static)
-        return jax.jit(bound) if request.param else bound
-
-    return wrap
-
-
 def _random_mask(rng, batch=6, length=7):
     """Row 0 empty, row 1 full, the rest ragged prefixes, the last one with holes."""
     mask = np.zeros((batch, length), np.float32)
