@@ -645,8 +645,13 @@ def _probe_child(wanted: set[str], uid: int, rootless: bool, netns_per_run: bool
         try:
             _drop_privileges(uid)
             got.add(F_UID)
-            os.listdir(os.path.dirname(os.__file__))
-            os.listdir(os.path.dirname(os.path.realpath(sys.executable)))
+            # Runs are forked from this already-loaded interpreter and never exec it again, so
+            # what they must still read is the standard library (a venv's bin/ may sit under
+            # the private /tmp, as a checkout in /tmp does, and is not needed).
+            stdlib = os.path.dirname(os.__file__)
+            for path in (stdlib, os.path.join(stdlib, "lib-dynload")):
+                if os.path.isdir(path) or path == stdlib:
+                    os.listdir(path)
             got.add(F_LIBS)
         except OSError as e:
             _log(f"slot uid {uid}: {e}")
