@@ -79,6 +79,7 @@ register_domain("stepwise_math", StepwiseMathDomain)
 register_domain("program_synthesis", ProgramSynthesisDomain)
 register_domain("humaneval", _humaneval)
 register_domain("reasoning_gym", _reasoning_gym)
+register_domain("safety", lambda **kw: get_domain("rlpt.tasks.safety:SafetyDomain", **kw))
 
 register_reward("correct", correct)
 register_reward("exact_match", exact_match)
