@@ -1,6 +1,5 @@
 """Critic-free group advantages against hand-worked cases, identities and Python loops."""
 
-
 import jax.numpy as jnp
 import numpy as np
 import pytest

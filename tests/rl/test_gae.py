@@ -1,6 +1,5 @@
 """GAE and whitening against hand-worked cases, identities and a plain-Python oracle."""
 
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
