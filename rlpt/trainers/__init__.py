@@ -18,6 +18,7 @@ TrainFn = Callable[[ml_collections.ConfigDict, str], dict[str, Any]]
 # name -> "module:function". Add new trainers here (for example ``post_train``).
 TRAINERS: dict[str, str] = {
     "ppo_gym": "rlpt.trainers.ppo_gym:train_and_evaluate",
+    "post_train": "rlpt.trainers.post_train:train_and_evaluate",
 }
 
 

@@ -1,0 +1,342 @@
+"""Per-domain evaluation: greedy pass@1 and unbiased pass@k, with standard errors.
+
+For every domain the evaluation draws a fixed held-out set (levels ``1..L`` where
+``L`` is the highest level training may reach) and an out-of-distribution set at
+level ``L + 1``. Each item is decoded greedily once (pass@1) and sampled ``n >= k``
+times at temperature 1 (pass@k by the unbiased estimator of Chen et al. 2021):
+
+    pass@k = E_items[1 - C(n - c, k) / C(n, k)],  c = correct samples of the item,
+
+computed as the stable product ``1 - prod_{i = n - c + 1}^{n} (1 - k / i)``. Standard
+errors are the sample standard deviation of the per-item values over sqrt(items).
+Samples the sandbox failed to run (``VerifyResult.valid`` False) are excluded: they
+say nothing about the policy.
+
+The trainer calls the same ``Evaluator`` during training; ``python -m rlpt.eval
+--workdir=DIR`` evaluates a run's latest checkpoint, prints a table on standard error
+and the JSON result as the last line of standard output.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from rlpt.sampling import Sampler, SamplingParams
+from rlpt.tasks import Domain, Task, VerifyResult
+from rlpt.tokenizers import Tokenizer
+
+SPLITS = ("heldout", "ood")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples with ``c`` correct (Chen et al. 2021).
+
+    ``1 - C(n - c, k) / C(n, k)`` as the product ``1 - prod_{i=n-c+1}^{n} (1 - k/i)``,
+    which never forms the huge binomials.
+    """
+    if not 0 <= c <= n:
+        raise ValueError(f"need 0 <= c <= n, got n={n}, c={c}")
+    if k < 1 or k > n:
+        raise ValueError(f"need 1 <= k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def mean_and_stderr(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and its standard error (sample std / sqrt(n)); NaN mean for no values."""
+    x = np.asarray(values, np.float64)
+    if x.size == 0:
+        return float("nan"), float("nan")
+    if x.size == 1:
+        return float(x[0]), 0.0
+    return float(x.mean()), float(x.std(ddof=1) / math.sqrt(x.size))
+
+
+class Verifier:
+    """Scores completions with their domains' verifiers, one batch call per domain.
+
+    Sandbox domains get ``pool``; their results are cached by (domain, prompt,
+    completion), since greedy decoding and repeated prompts resubmit the same
+    program, and a program's verdict on fixed tests does not change.
+    """
+
+    def __init__(self, domains: Mapping[str, Domain], pool: Any = None, cache_size: int = 200_000):
+        self.domains = dict(domains)
+        self.pool = pool
+        self.cache_size = cache_size
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self.sandbox_calls = 0
+
+    def verify(
+        self, domain_names: Sequence[str], tasks: Sequence[Task], completions: Sequence[str]
+    ):
+        """``VerifyResult`` per (task, completion); ``domain_names[i]`` picks the verifier."""
+        results: list[VerifyResult | None] = [None] * len(tasks)
+        by_domain: dict[str, list[int]] = collections.defaultdict(list)
+        for i, name in enumerate(domain_names):
+            by_domain[name].append(i)
+        for name, rows in by_domain.items():
+            domain = self.domains[name]
+            if not domain.needs_sandbox:
+                out = domain.verify_batch([tasks[i] for i in rows], [completions[i] for i in rows])
+                for i, r in zip(rows, out):
+                    results[i] = r
+                continue
+            todo: dict[tuple, list[int]] = {}
+            for i in rows:
+                key = (name, tasks[i].prompt, completions[i])
+                if key in self._cache:
+                    results[i] = self._cache[key]
+                else:
+                    todo.setdefault(key, []).append(i)
+            if todo:
+                first = [idx[0] for idx in todo.values()]
+                out = domain.verify_batch(
+                    [tasks[i] for i in first], [completions[i] for i in first], pool=self.pool
+                )
+                self.sandbox_calls += len(first)
+                for (key, idx), r in zip(todo.items(), out):
+                    for i in idx:
+                        results[i] = r
+                    if r.valid:  # a sandbox failure may not recur: never cache it
+                        self._cache[key] = r
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        return results
+
+
+def decode_response(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """Text of generated ``ids``; ids past the tokenizer's vocabulary (the model's
+    vocabulary is rounded up) have no text and read as U+FFFD, so they never match."""
+    pieces, start = [], 0
+    ids = [int(t) for t in ids]
+    for i, t in enumerate(ids):
+        if t >= tokenizer.vocab_size:
+            pieces.append(tokenizer.decode(ids[start:i]) + "\ufffd")
+            start = i + 1
+    pieces.append(tokenizer.decode(ids[start:]))
+    return "".join(pieces)
+
+
+def complete(
+    sampler: Sampler,
+    params: Any,
+    tokenizer: Tokenizer,
+    tasks: Sequence[Task],
+    key: jax.Array,
+    *,
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    chunk_size: int,
+    add_bos: bool = True,
+) -> tuple[list[str], np.ndarray]:
+    """Completions (decoded text) and truncation flags for ``tasks``, ``chunk_size`` at a time.
+
+    The last chunk is filled up by repeating its last prompt, so every call has the
+    same batch shape and the sampler compiles once per prompt bucket.
+    """
+    prompts = [tokenizer.encode(t.prompt, add_bos=add_bos) for t in tasks]
+    texts: list[str] = []
+    truncated: list[bool] = []
+    for c, start in enumerate(range(0, len(prompts), chunk_size)):
+        chunk = prompts[start : start + chunk_size]
+        n = len(chunk)
+        chunk = chunk + [chunk[-1]] * (chunk_size - n)
+        out = sampler.generate(
+            params, chunk, jax.random.fold_in(key, c), max_new_tokens=max_new_tokens,
+            sampling=sampling,
+        )  # fmt: skip
+        for i in range(n):
+            texts.append(decode_response(tokenizer, out.tokens[i, : out.lengths[i]]))
+            truncated.append(bool(out.truncated[i]))
+    return texts, np.asarray(truncated, bool)
+
+
+def make_eval_sets(
+    domains: Mapping[str, Domain],
+    train_max_level: Mapping[str, int],
+    *,
+    heldout_items: int,
+    ood_items: int,
+    seed: int,
+) -> dict[str, dict[str, list[Task]]]:
+    """``{split: {domain: tasks}}``: held-out items spread evenly over levels
+    ``1..train_max_level[d]``; OOD items at ``train_max_level[d] + 1`` (omitted where
+    the domain has no such level)."""
+    sets: dict[str, dict[str, list[Task]]] = {"heldout": {}, "ood": {}}
+    for name, domain in domains.items():
+        top = int(train_max_level[name])
+        per_level = [heldout_items // top + (lvl < heldout_items % top) for lvl in range(top)]
+        tasks = []
+        for lvl, n in enumerate(per_level, start=1):
+            tasks += domain.tasks("heldout", n, lvl, seed=seed)
+        sets["heldout"][name] = tasks
+        if ood_items > 0 and top + 1 <= domain.max_difficulty:
+            sets["ood"][name] = domain.tasks("ood", ood_items, top + 1, seed=seed)
+    return sets
+
+
+class Evaluator:
+    """Greedy pass@1 and sampled pass@k per domain and split, plus logged samples."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        tokenizer: Tokenizer,
+        verifier: Verifier,
+        *,
+        max_new_tokens: int,
+        chunk_size: int,
+        temperature: float = 1.0,
+    ):
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.verifier = verifier
+        self.max_new_tokens = max_new_tokens
+        self.chunk_size = chunk_size
+        self.temperature = temperature
+
+    def _run(self, params, tasks, key, sampling):
+        texts, truncated = complete(
+            self.sampler, params, self.tokenizer, tasks, key, sampling=sampling,
+            max_new_tokens=self.max_new_tokens, chunk_size=self.chunk_size,
+        )  # fmt: skip
+        results = self.verifier.verify([t.domain for t in tasks], tasks, texts)
+        return texts, truncated, results
+
+    def evaluate(
+        self,
+        params: Any,
+        eval_sets: Mapping[str, Mapping[str, Sequence[Task]]],
+        key: jax.Array,
+        *,
+        n_samples: int = 0,
+        k: int = 1,
+        max_items: int | None = None,
+        log_samples: int = 0,
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Returns ``(results, samples)``.
+
+        ``results[split][domain]`` has ``pass@1`` (greedy), ``pass@1_se``, ``items``,
+        ``sandbox_failures`` and, with ``n_samples >= k``, ``pass@K``, ``pass@K_se``
+        and ``sample_pass@1``. ``samples`` holds the first ``log_samples`` greedy
+        completions per domain and split with their rewards and outcomes.
+        ``max_items`` evaluates a prefix of each set (the periodic evaluation).
+        """
+        if n_samples and n_samples < k:
+            raise ValueError(f"eval.n_samples ({n_samples}) must be >= eval.k ({k})")
+        results: dict[str, Any] = {}
+        samples: list[dict[str, Any]] = []
+        greedy = SamplingParams(greedy=True)
+        sampled = SamplingParams(temperature=self.temperature)
+        for s, split in enumerate(SPLITS):
+            results[split] = {}
+            for d, (name, tasks) in enumerate(sorted(eval_sets.get(split, {}).items())):
+                tasks = list(tasks)[:max_items] if max_items else list(tasks)
+                if not tasks:
+                    continue
+                sub = jax.random.fold_in(jax.random.fold_in(key, s), d)
+                texts, truncated, res = self._run(params, tasks, jax.random.fold_in(sub, 0), greedy)
+                valid = [r.valid for r in res]
+                ok = [float(r.correct) for r in res if r.valid]
+                p1, p1_se = mean_and_stderr(ok)
+                out: dict[str, Any] = {
+                    "pass@1": p1,
+                    "pass@1_se": p1_se,
+                    "items": len(tasks),
+                    "sandbox_failures": int(len(valid) - sum(valid)),
+                    "truncated": float(np.mean(truncated)),
+                }
+                if n_samples:
+                    reps = [t for t in tasks for _ in range(n_samples)]
+                    _, _, sres = self._run(params, reps, jax.random.fold_in(sub, 1), sampled)
+                    per_item, sample_ok = [], []
+                    for i in range(len(tasks)):
+                        rows = sres[i * n_samples : (i + 1) * n_samples]
+                        good = [r for r in rows if r.valid]
+                        if len(good) < k:
+                            continue
+                        c = sum(r.correct for r in good)
+                        per_item.append(pass_at_k(len(good), c, k))
+                        sample_ok.append(c / len(good))
+                    pk, pk_se = mean_and_stderr(per_item)
+                    out[f"pass@{k}"] = pk
+                    out[f"pass@{k}_se"] = pk_se
+                    out["sample_pass@1"] = mean_and_stderr(sample_ok)[0]
+                    out["sandbox_failures"] += sum(not r.valid for r in sres)
+                results[split][name] = out
+                for t, text, r in list(zip(tasks, texts, res))[:log_samples]:
+                    samples.append(
+                        {
+                            "split": split, "domain": name, "task_id": t.id, "prompt": t.prompt,
+                            "completion": text, "reward": r.reward, "outcome": r.outcome,
+                            "valid": r.valid,
+                        }
+                    )  # fmt: skip
+        return results, samples
+
+
+def flatten_results(results: Mapping[str, Any], k: int) -> dict[str, float]:
+    """``eval/DOMAIN/pass@1``, ``eval/DOMAIN/pass@K`` (held-out) and ``eval/DOMAIN/ood/...``."""
+    out: dict[str, float] = {}
+    for split, by_domain in results.items():
+        for name, r in by_domain.items():
+            prefix = f"eval/{name}/" if split == "heldout" else f"eval/{name}/{split}/"
+            for key in ("pass@1", "pass@1_se", f"pass@{k}", f"pass@{k}_se", "sample_pass@1"):
+                if key in r:
+                    out[prefix + key] = r[key]
+            out[prefix + "sandbox_failures"] = r["sandbox_failures"]
+    return out
+
+
+def format_table(results: Mapping[str, Any], k: int) -> str:
+    """A readable table: one row per (split, domain)."""
+    header = f"{'split':8} {'domain':20} {'items':>5} {'pass@1':>15} {f'pass@{k}':>15} {'fail':>4}"
+    lines = [header, "-" * len(header)]
+    for split, by_domain in results.items():
+        for name, r in sorted(by_domain.items()):
+            p1 = f"{r['pass@1']:.3f}±{r['pass@1_se']:.3f}"
+            pk = f"{r[f'pass@{k}']:.3f}±{r[f'pass@{k}_se']:.3f}" if f"pass@{k}" in r else "-"
+            lines.append(
+                f"{split:8} {name:20} {r['items']:>5} {p1:>15} {pk:>15} {r['sandbox_failures']:>4}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> None:
+    from absl import logging
+
+    from rlpt.trainers import post_train
+
+    if len(argv) > 1:
+        raise ValueError(f"unexpected arguments: {argv[1:]}")
+    workdir = _WORKDIR.value
+    start = time.perf_counter()
+    result = post_train.evaluate_checkpoint(workdir)
+    k = result["k"]
+    print(format_table(result["results"], k), file=sys.stderr, flush=True)
+    result["time/eval_s"] = time.perf_counter() - start
+    path = os.path.join(workdir, f"eval_step_{result['step']}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2, sort_keys=True)
+    logging.info("Wrote %s", path)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    _WORKDIR = flags.DEFINE_string("workdir", None, "A post_train run directory.")
+    flags.mark_flags_as_required(["workdir"])
+    app.run(main)

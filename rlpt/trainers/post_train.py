@@ -1,0 +1,753 @@
+"""End-to-end post-training of a language model: supervised warm start, then RL.
+
+Stages, run in ``config.stages`` order with one global ``step`` across them:
+
+1. ``sft``: the policy learns from demonstrations (``rlpt.trainers.sft``) for a
+   fixed budget of completion tokens; then the full evaluation (held-out greedy
+   pass@1, sampled pass@k, OOD) runs and the policy is frozen as the reference.
+2. ``rm`` / ``prm`` (hooks): functions registered with ``register_stage`` run here;
+   none is built in, so listing one without registering it is an error.
+3. ``ppo``: rollouts from the curriculum loader, verifier rewards (program synthesis
+   runs in the sandbox pool), PPO with a critic (``ppo.estimator='gae'``, the value
+   trunk starts from the SFT policy) or critic-free GRPO/RLOO, KL to the reference,
+   periodic held-out evaluation, curriculum feedback every step.
+   ``sft_continued`` instead keeps training SFT for ``sft.continued_wall_s`` seconds
+   (the control that gets RL's wall clock as more supervision).
+4. The final evaluation, merged into the last step's metrics line; ``summary.json``.
+
+Rewards: ``config.rewards`` weighs the verifier's reward (``outcome``), a format term
+and a length penalty (``rlpt.tasks.rewards``), summed per sequence on its last token.
+``reward_model`` and ``process`` weights are the hook for learned rewards and must
+stay 0 until a stage provides them. A sample the sandbox failed to run, or whose
+reward is not finite, is kept in the batch (shapes stay fixed) with loss weight 0,
+and counted.
+
+One line per step goes to ``metrics.jsonl``; evaluations at a step join that step's
+line, so no step appears twice. ``samples.jsonl`` gets greedy completions with their
+rewards and outcomes at every evaluation. Checkpoints (``rlpt.checkpoint``) hold
+everything the run needs to continue exactly: rerunning the same command resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from rlpt import checkpoint as ckpt_lib
+from rlpt.data import CurriculumLoader, Feedback, make_curriculum, make_source
+from rlpt.eval import (
+    Evaluator,
+    Verifier,
+    decode_response,
+    flatten_results,
+    format_table,
+    make_eval_sets,
+)
+from rlpt.metrics import METRICS_FILE, MetricWriter, to_json_value
+from rlpt.models import CausalLM, ValueModel, create_model, get_preset
+from rlpt.rl import PPOConfig, PPOTrainer, init_train_state, new_rollout_batch
+from rlpt.sampling import DEFAULT_BUCKETS, Sampler, SamplingParams
+from rlpt.tasks import CompositeReward, Domain, LengthPenalty, get_domain
+from rlpt.tokenizers import ByteTokenizer
+from rlpt.trainers import sft as sft_lib
+
+SAMPLES_FILE = "samples.jsonl"
+SUMMARY_FILE = "summary.json"
+RUN_CONFIG_FILE = "run_config.json"
+# Fields that steer how a run is executed, not what it computes: a resumed run may
+# change them without being "a different config".
+RUN_CONTROL_FIELDS = ("overwrite", "stop_after_step")
+STAGES = ("sft", "rm", "prm", "ppo", "sft_continued")
+
+StageFn = Callable[["PostTrainRun"], None]
+_STAGE_HOOKS: dict[str, StageFn] = {}
+
+
+def register_stage(name: str, fn: StageFn) -> None:
+    """Registers an optional stage (``rm``, ``prm``) run between SFT and RL.
+
+    ``fn(run)`` receives the ``PostTrainRun`` (models, loader, writer, step counter)
+    and may, for example, train a reward model and set ``run.extra_reward``.
+    """
+    _STAGE_HOOKS[name] = fn
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Runs (or resumes) the post-training run ``config`` in ``workdir``; returns the summary."""
+    run = PostTrainRun(config, workdir)
+    try:
+        return run.run()
+    finally:
+        run.close()
+
+
+# -- configuration helpers ---------------------------------------------------------------------
+
+
+def _plain(config: Any) -> Any:
+    return config.to_dict() if hasattr(config, "to_dict") else config
+
+
+def run_identity(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The config as JSON-able data without the run-control fields."""
+    data = json.loads(config.to_json_best_effort(sort_keys=True))
+    for name in RUN_CONTROL_FIELDS:
+        data.pop(name, None)
+    return data
+
+
+def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            out += _diff_keys(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def model_config(config: ml_collections.ConfigDict):
+    overrides = dict(_plain(config.model.get("overrides", {})) or {})
+    return get_preset(config.model.preset, **overrides)
+
+
+def train_levels(config: ml_collections.ConfigDict, domains: Mapping[str, Domain]) -> dict:
+    """The highest difficulty each domain trains at (the OOD split is one above)."""
+    spec = _plain(config.train_max_level)
+    out = {}
+    for name, domain in domains.items():
+        level = spec.get(name, spec.get("default", 1)) if isinstance(spec, dict) else spec
+        out[name] = min(int(level), domain.max_difficulty)
+    return out
+
+
+def make_domains(config: ml_collections.ConfigDict) -> dict[str, Domain]:
+    return {name: get_domain(name) for name in config.domains}
+
+
+def make_eval_data(config, domains):
+    return make_eval_sets(
+        domains, train_levels(config, domains), heldout_items=config.eval.heldout_items,
+        ood_items=config.eval.ood_items, seed=config.eval.seed,
+    )  # fmt: skip
+
+
+def ppo_config(config: ml_collections.ConfigDict) -> PPOConfig:
+    values = dict(_plain(config.ppo))
+    if values.get("num_groups") is None:
+        values["num_groups"] = config.rollout.batch_size // config.rollout.group_size
+    return PPOConfig.from_config(values)
+
+
+def make_reward(config: ml_collections.ConfigDict) -> CompositeReward:
+    """Verifier reward plus format and length terms, weighted by ``config.rewards``."""
+    r = config.rewards
+    for learned in ("reward_model", "process"):
+        if r.get(learned, 0.0):
+            raise ValueError(
+                f"rewards.{learned} is {r[learned]} but no stage provides a {learned} "
+                "(register an 'rm'/'prm' stage with register_stage that sets run.extra_reward)"
+            )
+    weights = {"correct": r.outcome, "format": r.format, "length": r.length}
+    terms = {"length": LengthPenalty(r.length_target_bytes, r.length_scale_bytes)}
+    return CompositeReward({k: v for k, v in weights.items() if v}, terms={
+        k: v for k, v in terms.items() if weights[k]
+    })  # fmt: skip
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+class PostTrainRun:
+    """Everything one post-training run holds; ``run()`` executes or resumes it."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        self.config = config
+        self.workdir = os.path.abspath(workdir)
+        self.start_time = time.perf_counter()
+        for stage in config.stages:
+            if stage not in STAGES:
+                raise ValueError(f"unknown stage {stage!r}; allowed: {STAGES}")
+            if stage in ("rm", "prm") and stage not in _STAGE_HOOKS:
+                raise ValueError(f"stage {stage!r} has no registered implementation")
+        # Config errors surface before the workdir is claimed by this config.
+        self.reward_fn = make_reward(config)
+        self.ppo_cfg = ppo_config(config)
+        self.model_cfg = model_config(config)
+        self.domains = make_domains(config)
+        self._check_workdir()
+
+        self.tokenizer = ByteTokenizer()
+        self.levels = train_levels(config, self.domains)
+        self.extra_reward: Callable | None = None  # set by an rm/prm stage hook
+        self.pool = None
+        if any(d.needs_sandbox for d in self.domains.values()):
+            from rlpt.sandbox import SandboxPool
+
+            sb = config.sandbox
+            self.pool = SandboxPool(workers=sb.workers, timeout_s=sb.timeout_s,
+                                    memory_mb=sb.memory_mb)  # fmt: skip
+        self.verifier = Verifier(self.domains, self.pool)
+
+        key = jax.random.key(config.seed)
+        self.keys = {
+            name: jax.random.fold_in(key, i)
+            for i, name in enumerate(("init", "value_init", "rollout", "eval", "ppo"))
+        }
+        self.policy_graph, params = create_model(
+            lambda rngs: CausalLM(self.model_cfg, rngs=rngs), self.keys["init"]
+        )
+        self.init_params = params
+        buckets = tuple(config.rollout.get("buckets", DEFAULT_BUCKETS))
+        self.sampler = Sampler(
+            self.policy_graph, self.model_cfg, eos_id=self.tokenizer.eos_id,
+            pad_id=self.tokenizer.pad_id, buckets=buckets,
+        )  # fmt: skip
+        self.evaluator = Evaluator(
+            self.sampler, self.tokenizer, self.verifier,
+            max_new_tokens=config.rollout.max_new_tokens, chunk_size=config.eval.batch_size,
+        )  # fmt: skip
+        self.eval_sets = make_eval_data(config, self.domains)
+
+        # SFT data and its fixed length (the token budget decides the step count).
+        s = config.sft
+        examples = sft_lib.read_jsonl_examples(s.jsonl) if s.get("jsonl") else None
+        self.sft_stream = sft_lib.ExampleStream(
+            self.tokenizer, batch_size=s.batch_size, max_len=s.max_len, domains=self.domains,
+            levels=self.levels, examples=examples, seed=config.seed,
+        )  # fmt: skip
+        self.sft_steps = sft_lib.steps_for_budget(self.sft_stream, s.token_budget)
+        self.sft_tx = sft_lib.make_optimizer(s.learning_rate, s.warmup_steps, s.weight_decay)
+        self.sft_train, self.sft_eval_loss = sft_lib.make_step_fns(self.policy_graph, self.sft_tx)
+        heldout_pairs = [
+            (t.prompt, self.domains[t.domain].demonstration(t))
+            for tasks in self.eval_sets["heldout"].values()
+            for t in tasks[: s.heldout_items]
+        ] if examples is None else examples[: s.heldout_items]  # fmt: skip
+        self.sft_heldout = sft_lib.heldout_batch(self.tokenizer, heldout_pairs, s.max_len)
+
+        self.value_graph = None
+        if self.ppo_cfg.uses_critic:
+            self.value_graph, _ = create_model(
+                lambda rngs: ValueModel(self.model_cfg, rngs=rngs), self.keys["value_init"]
+            )
+        self.trainer = PPOTrainer(self.ppo_cfg, self.policy_graph, self.value_graph)
+        self.loader = self._make_loader()
+
+        self.ckpt = ckpt_lib.Checkpointer(
+            os.path.join(self.workdir, ckpt_lib.CHECKPOINT_DIR),
+            keep=config.checkpoint.keep, async_save=config.checkpoint.async_save,
+        )  # fmt: skip
+        self.writer = MetricWriter(self.workdir)
+        # What the checkpoint's JSON record carries besides arrays.
+        self.meta: dict[str, Any] = {
+            "step": 0, "stage": "", "stage_index": 0, "stage_step": 0,
+            "sft_position": 0, "counters": {"sandbox_failures": 0, "nonfinite_rewards": 0},
+            "eval": {}, "elapsed_s": 0.0,
+        }  # fmt: skip
+        self.state: Any = None  # SFTState or rl.TrainState
+        self.ref_params: Any = None
+
+    # -- workdir: refuse a different run, resume the same one -------------------------------
+
+    def _check_workdir(self) -> None:
+        path = os.path.join(self.workdir, RUN_CONFIG_FILE)
+        identity = run_identity(self.config)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                stored = json.load(f)
+            if stored != identity:
+                if not self.config.get("overwrite", False):
+                    # train.py already wrote the new config.json; put the run's own back.
+                    with open(os.path.join(self.workdir, "config.json"), "w",
+                              encoding="utf-8") as f:  # fmt: skip
+                        json.dump(stored, f, indent=2, sort_keys=True)
+                    raise ValueError(
+                        f"workdir {self.workdir} holds a run with a different config "
+                        f"(differs in {_diff_keys(stored, identity)[:10]}); use another workdir "
+                        "or pass --config.overwrite=True to replace it"
+                    )
+                logging.warning("Overwriting the run in %s (config.overwrite)", self.workdir)
+                for name in (ckpt_lib.CHECKPOINT_DIR,):
+                    shutil.rmtree(os.path.join(self.workdir, name), ignore_errors=True)
+                for name in (METRICS_FILE, SAMPLES_FILE, SUMMARY_FILE):
+                    if os.path.exists(os.path.join(self.workdir, name)):
+                        os.remove(os.path.join(self.workdir, name))
+        os.makedirs(self.workdir, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(identity, f, indent=2, sort_keys=True)
+
+    def _make_loader(self) -> CurriculumLoader:
+        c = self.config
+        sources = {
+            name: make_source(name, {"kind": "procedural", "seed": c.seed}) for name in c.domains
+        }
+        curriculum = make_curriculum(
+            c.curriculum, list(sources), max_levels=[self.levels[n] for n in sources],
+            sizes=[s.size for s in sources.values()],
+        )  # fmt: skip
+        return CurriculumLoader(
+            sources, curriculum, self.tokenizer, batch_size=c.rollout.batch_size,
+            group_size=c.rollout.group_size, buckets=self.sampler.buckets, seed=c.seed,
+            shard_index=0, shard_count=1,
+        )  # fmt: skip
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def _items(self) -> dict[str, Any]:
+        stage = self.meta["stage"]
+        if stage in ("sft", "sft_continued"):
+            return {"sft": self.state}
+        items = {"ppo": self.state}
+        if self.ref_params is not None:
+            items["ref"] = self.ref_params
+        return items
+
+    def save(self) -> None:
+        self.meta["loader"] = self.loader.get_state()
+        self.meta["sft_position"] = self.sft_stream.position
+        self.meta["elapsed_s"] = self._elapsed()
+        self.meta["config"] = run_identity(self.config)
+        self.ckpt.save(self.meta["step"], self._items(), self.meta)
+
+    def _elapsed(self) -> float:
+        return self._elapsed_before + (time.perf_counter() - self.start_time)
+
+    def _sft_state_template(self):
+        return sft_lib.init_sft_state(self.init_params, self.sft_tx)
+
+    def _ppo_state_template(self):
+        value = None
+        if self.ppo_cfg.uses_critic:
+            value = jax.eval_shape(lambda: self._value_init(self.init_params))
+        return jax.eval_shape(
+            lambda: init_train_state(self.ppo_cfg, self.init_params, value,
+                                     jax.random.key_data(self.keys["ppo"]))
+        )  # fmt: skip
+
+    def restore(self) -> bool:
+        step = self.ckpt.latest_step()
+        self._elapsed_before = 0.0
+        if step is None:
+            # A run that died before its first checkpoint starts over from nothing.
+            self.writer.close()
+            for name in (METRICS_FILE, SAMPLES_FILE, SUMMARY_FILE):
+                if os.path.exists(os.path.join(self.workdir, name)):
+                    os.remove(os.path.join(self.workdir, name))
+            self.writer = MetricWriter(self.workdir)
+            return False
+        meta = self.ckpt.read_meta(step)
+        targets = {}
+        if "sft" in meta["items"]:
+            targets["sft"] = self._sft_state_template()
+        if "ppo" in meta["items"]:
+            targets["ppo"] = self._ppo_state_template()
+        if "ref" in meta["items"]:
+            targets["ref"] = self.init_params
+        items, meta = self.ckpt.restore(step, targets)
+        self.meta = meta
+        self.state = items.get("sft", items.get("ppo"))
+        self.ref_params = items.get("ref")
+        self.loader.set_state(meta["loader"])
+        self.sft_stream.position = int(meta["sft_position"])
+        self._elapsed_before = float(meta["elapsed_s"])
+        self.writer.resume(step)
+        _truncate_jsonl(os.path.join(self.workdir, SAMPLES_FILE), step)
+        print(f"Resumed from checkpoint at step {step} (stage {meta['stage']}).", flush=True)
+        return True
+
+    # -- stages -------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        self.restore()
+        stages = list(self.config.stages)
+        stop = self.config.get("stop_after_step")
+        while self.meta["stage_index"] < len(stages):
+            stage = stages[self.meta["stage_index"]]
+            if self.meta["stage"] != stage:
+                self._enter_stage(stage)
+            if stage == "sft":
+                finished = self._sft(stop, self.sft_steps)
+            elif stage == "sft_continued":
+                finished = self._sft(stop, None)
+            elif stage == "ppo":
+                finished = self._ppo(stop)
+            else:
+                _STAGE_HOOKS[stage](self)
+                finished = True
+            if not finished:
+                logging.info("Stopping after step %d (config.stop_after_step).", stop)
+                self.ckpt.wait()
+                return {"stopped_at_step": self.meta["step"]}
+            self.meta["stage_index"] += 1
+        self.ckpt.wait()
+        return self._summary()
+
+    def _enter_stage(self, stage: str) -> None:
+        prev = self.meta["stage"]
+        self.meta["stage"] = stage
+        self.meta["stage_step"] = 0
+        self.meta["stage_done"] = False
+        self.meta["stage_elapsed_s"] = 0.0
+        if stage == "sft" and self.state is None:
+            self.state = sft_lib.init_sft_state(self.init_params, self.sft_tx)
+        elif stage == "ppo":
+            params = self.state.params if prev in ("sft", "sft_continued") else self.init_params
+            # The reference is a copy: the policy's buffers are donated to each update.
+            self.ref_params = jax.tree.map(jnp.copy, params)
+            value = self._value_init(params) if self.ppo_cfg.uses_critic else None
+            self.state = init_train_state(
+                self.ppo_cfg, params, value, jax.random.key_data(self.keys["ppo"])
+            )
+            self.meta["rl_start_elapsed_s"] = self._elapsed()
+
+    def _value_init(self, policy_params):
+        """The critic's trunk starts as the policy's trunk; its head starts at zero output."""
+        _, value = create_model(
+            lambda rngs: ValueModel(self.model_cfg, rngs=rngs), self.keys["value_init"]
+        )
+        value["trunk"] = jax.tree.map(jnp.copy, policy_params["trunk"])
+        return value
+
+    def _policy_params(self):
+        return self.state.params if hasattr(self.state, "params") else self.state.policy
+
+    def _sft(self, stop: int | None, total: int | None) -> bool:
+        """SFT for ``total`` steps (``None``: for ``sft.continued_wall_s`` seconds).
+
+        The last step's line carries the held-out loss and the stage's evaluation
+        (``sft`` after the warm start, ``final`` after continued SFT).
+        """
+        c = self.config.sft
+        continued = total is None
+        # A wall-clock budget counts the time spent before an interruption too.
+        began = time.perf_counter() - self.meta.get("stage_elapsed_s", 0.0)
+        window = time.perf_counter()
+        window_steps = window_tokens = 0
+        while not self.meta.get("stage_done", False):
+            if total is not None and self.meta["stage_step"] >= total:
+                break
+            tokens, mask, n_tokens = self.sft_stream.next_batch()
+            window_steps += 1
+            window_tokens += n_tokens
+            self.state, m = self.sft_train(self.state, (jnp.asarray(tokens), jnp.asarray(mask)))
+            self.meta["step"] += 1
+            self.meta["stage_step"] += 1
+            step = self.meta["step"]
+            if continued:
+                self.meta["stage_elapsed_s"] = time.perf_counter() - began
+                last = self.meta["stage_elapsed_s"] >= c.continued_wall_s
+            else:
+                last = self.meta["stage_step"] >= total
+            metrics: dict[str, Any] = {}
+            if last or self.meta["stage_step"] % c.log_every == 0:
+                m = jax.device_get(m)
+                metrics.update({f"sft/{k}": v for k, v in m.items()})
+                metrics["sft/lr"] = sft_lib.lr_at(
+                    int(self.state.step) - 1, c.learning_rate, c.warmup_steps
+                )
+                metrics["sft/examples"] = self.sft_stream.position
+                # Steps are dispatched asynchronously: only a window's average is meaningful.
+                now = time.perf_counter()
+                metrics["time/step_s"] = (now - window) / window_steps
+                metrics["time/tokens_per_s"] = window_tokens / (now - window)
+                window, window_steps, window_tokens = now, 0, 0
+            if last:
+                self.meta["stage_done"] = True
+                metrics["sft/heldout_loss"] = self.sft_eval_loss(
+                    self.state.params, *map(jnp.asarray, self.sft_heldout)
+                )
+                metrics.update(self._full_eval("final" if continued else "sft"))
+            if metrics:
+                self._write(step, metrics, "sft")
+            if last or step % self.config.checkpoint.every == 0:
+                self.save()
+            if stop is not None and step >= stop and not last:
+                return False
+        return True
+
+    def _ppo(self, stop: int | None) -> bool:
+        c = self.config
+        total = c.ppo_steps
+        sampling = SamplingParams(temperature=c.rollout.temperature)
+        while self.meta["stage_step"] < total:
+            t0 = time.perf_counter()
+            step = self.meta["step"] + 1
+            pb = self.loader.next()
+            ids = [row[m] for row, m in zip(pb.tokens, pb.mask)]
+            out = self.sampler.generate(
+                self.state.policy, ids, jax.random.fold_in(self.keys["rollout"], step),
+                max_new_tokens=c.rollout.max_new_tokens, sampling=sampling,
+            )  # fmt: skip
+            t_gen = time.perf_counter()
+            texts = [
+                decode_response(self.tokenizer, out.tokens[i, : out.lengths[i]])
+                for i in range(len(ids))
+            ]
+            names = [self.loader.names[d] for d in pb.domain_index]
+            results = self.verifier.verify(names, pb.tasks, texts)
+            t_ver = time.perf_counter()
+            rewards, weight, success, valid = self._rewards(pb.tasks, texts, results)
+            prompt_tokens, prompt_mask = self.sampler.prepare(ids, c.rollout.max_new_tokens)
+            batch = new_rollout_batch(
+                prompt_tokens, prompt_mask, out.tokens, out.mask, sequence_rewards=rewards,
+                loss_weight=pb.loss_weight * weight, group_id=pb.group_id,
+                truncated=out.truncated, step_token_id=self.tokenizer.step_id,
+            )  # fmt: skip
+            batch = self.trainer.advantages(self.state, self.trainer.score(
+                self.state, self.ref_params, batch))  # fmt: skip
+            self.state, update_metrics = self.trainer.update(self.state, batch)
+            adv = np.asarray(batch.advantages)
+            mask = np.asarray(batch.response_mask)
+            abs_adv = np.abs(adv * mask).sum(1) / np.maximum(mask.sum(1), 1.0)
+            keep = valid.astype(bool)
+            self.loader.update(Feedback(
+                domain_index=pb.domain_index[keep], success=success[keep],
+                reward=rewards[keep], abs_advantage=abs_adv[keep],
+                difficulty=pb.difficulty[keep],
+            ))  # fmt: skip
+            update_metrics = jax.device_get(update_metrics)
+            t_upd = time.perf_counter()
+            self.meta["step"] = step
+            self.meta["stage_step"] += 1
+            metrics = {f"ppo/{k}": v for k, v in update_metrics.items()}
+            metrics.update(self._rollout_metrics(pb, rewards, success, valid, out))
+            metrics.update(self.loader.metrics())
+            metrics.update({
+                "time/generate_s": t_gen - t0, "time/verify_s": t_ver - t_gen,
+                "time/update_s": t_upd - t_ver, "time/step_s": t_upd - t0,
+                "time/tokens_per_s": float(out.lengths.sum()) / (t_upd - t0),
+            })  # fmt: skip
+            last = self.meta["stage_step"] == total
+            if last:
+                metrics.update(self._full_eval("final"))
+            elif c.eval.every and self.meta["stage_step"] % c.eval.every == 0:
+                metrics.update(self._periodic_eval())
+            self._write(step, metrics, "ppo")
+            if last or step % c.checkpoint.every == 0:
+                self.save()
+            if stop is not None and step >= stop and not last:
+                return False
+        return True
+
+    def _rewards(self, tasks, texts, results):
+        """Per-sequence reward, loss-weight factor, success and validity arrays [B]."""
+        n = len(tasks)
+        rewards = np.zeros(n, np.float32)
+        weight = np.ones(n, np.float32)
+        success = np.zeros(n, np.float32)
+        valid = np.ones(n, np.float32)
+        counters = self.meta["counters"]
+        for i, (task, text, res) in enumerate(zip(tasks, texts, results)):
+            if not res.valid:
+                counters["sandbox_failures"] += 1
+                weight[i] = valid[i] = 0.0
+                continue
+            total = self.reward_fn(task, text, res).total
+            if self.extra_reward is not None:
+                total += float(self.extra_reward(task, text, res))
+            if not math.isfinite(total):
+                counters["nonfinite_rewards"] += 1
+                weight[i] = valid[i] = 0.0
+                continue
+            rewards[i] = total
+            success[i] = float(res.correct)
+        return rewards, weight, success, valid
+
+    def _rollout_metrics(self, pb, rewards, success, valid, out) -> dict[str, Any]:
+        m: dict[str, Any] = {
+            "ppo/score": float(rewards[valid > 0].mean()) if valid.any() else float("nan"),
+            "ppo/success": float(success[valid > 0].mean()) if valid.any() else float("nan"),
+            "ppo/truncated_frac": float(np.mean(out.truncated)),
+            "ppo/sandbox_failures": self.meta["counters"]["sandbox_failures"],
+            "ppo/nonfinite_rewards": self.meta["counters"]["nonfinite_rewards"],
+            "ppo/dropped_samples": int((valid == 0).sum()),
+        }
+        for d, name in enumerate(self.loader.names):
+            rows = (pb.domain_index == d) & (valid > 0)
+            if rows.any():
+                m[f"ppo/{name}/success"] = float(success[rows].mean())
+        return m
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    def _eval_key(self):
+        return jax.random.fold_in(self.keys["eval"], self.meta["step"])
+
+    def _full_eval(self, which: str) -> dict[str, Any]:
+        e = self.config.eval
+        t0 = time.perf_counter()
+        results, samples = self.evaluator.evaluate(
+            self._policy_params(), self.eval_sets, self._eval_key(), n_samples=e.n_samples,
+            k=e.k, log_samples=e.log_samples,
+        )  # fmt: skip
+        self.meta["eval"][which] = results
+        logging.info("Evaluation (%s) at step %d:\n%s", which, self.meta["step"],
+                     format_table(results, e.k))  # fmt: skip
+        self._write_samples(samples, which)
+        out = flatten_results(results, e.k)
+        out["time/eval_s"] = time.perf_counter() - t0
+        return out
+
+    def _periodic_eval(self) -> dict[str, Any]:
+        e = self.config.eval
+        t0 = time.perf_counter()
+        held = {"heldout": self.eval_sets["heldout"]}
+        results, samples = self.evaluator.evaluate(
+            self._policy_params(), held, self._eval_key(), n_samples=0, k=e.k,
+            max_items=e.periodic_items or None, log_samples=e.log_samples,
+        )  # fmt: skip
+        self._write_samples(samples, "periodic")
+        out = flatten_results(results, e.k)
+        out["time/eval_s"] = time.perf_counter() - t0
+        return out
+
+    def _write_samples(self, samples, which: str) -> None:
+        path = os.path.join(self.workdir, SAMPLES_FILE)
+        with open(path, "a", encoding="utf-8") as f:
+            for s in samples:
+                record = {"step": self.meta["step"], "eval": which, **s}
+                f.write(json.dumps(to_json_value(record)) + "\n")
+
+    def _write(self, step: int, metrics: Mapping[str, Any], stage: str) -> None:
+        self.writer.write(step, {k: to_json_value(v) for k, v in metrics.items()}, stage=stage)
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def _summary(self) -> dict[str, Any]:
+        e = self.config.eval
+        ev = self.meta["eval"]
+        k = e.k
+
+        def pick(which, split, key):
+            return {d: r.get(key) for d, r in ev.get(which, {}).get(split, {}).items()}
+
+        curriculum = self.loader.curriculum
+        summary = {
+            "eval": {
+                "sft": pick("sft", "heldout", "pass@1"),
+                "final": pick("final", "heldout", "pass@1"),
+                "sft_pass_at_k": pick("sft", "heldout", f"pass@{k}"),
+                "final_pass_at_k": pick("final", "heldout", f"pass@{k}"),
+                "k": k,
+                "ood": {
+                    "sft": pick("sft", "ood", "pass@1"),
+                    "final": pick("final", "ood", "pass@1"),
+                    "sft_pass_at_k": pick("sft", "ood", f"pass@{k}"),
+                    "final_pass_at_k": pick("final", "ood", f"pass@{k}"),
+                    "levels": {d: self.levels[d] + 1 for d in ev.get("final", {}).get("ood", {})},
+                },
+            },
+            "curriculum": {
+                "weights": dict(zip(curriculum.names, map(float, curriculum.last_probs))),
+                "difficulty": dict(zip(curriculum.names, map(int, curriculum.level))),
+            },
+            "wall_s": float(self.meta["elapsed_s"]),
+        }
+        with open(os.path.join(self.workdir, SUMMARY_FILE), "w", encoding="utf-8") as f:
+            json.dump(to_json_value(summary), f, indent=2, sort_keys=True)
+        return summary
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self.writer.close()
+        self.loader.close()
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _truncate_jsonl(path: str, step: int) -> None:
+    """Drops lines with a step after ``step`` (the resume rule, applied to samples.jsonl)."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        kept = []
+        for line in f:
+            try:
+                if int(json.loads(line).get("step", 0)) <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, ValueError):
+                continue
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def evaluate_checkpoint(workdir: str) -> dict[str, Any]:
+    """Evaluates the policy in ``workdir``'s latest checkpoint with the run's own eval config."""
+    with open(os.path.join(workdir, RUN_CONFIG_FILE), encoding="utf-8") as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    config.overwrite = False
+    tokenizer = ByteTokenizer()
+    domains = make_domains(config)
+    mcfg = model_config(config)
+    graph, params = create_model(lambda rngs: CausalLM(mcfg, rngs=rngs), jax.random.key(0))
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR), async_save=False)
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {workdir}")
+        meta = ckpt.read_meta(step)
+        if "sft" in meta["items"]:
+            tx = sft_lib.make_optimizer(config.sft.learning_rate, config.sft.warmup_steps,
+                                        config.sft.weight_decay)  # fmt: skip
+            items, _ = ckpt.restore(step, {"sft": sft_lib.init_sft_state(params, tx)})
+            policy = items["sft"].params
+        else:
+            cfg = ppo_config(config)
+            value = None
+            if cfg.uses_critic:
+                value = create_model(lambda rngs: ValueModel(mcfg, rngs=rngs),
+                                     jax.random.key(1))[1]  # fmt: skip
+            template = init_train_state(cfg, params, value, jax.random.key_data(jax.random.key(0)))
+            targets = {"ppo": template}
+            if "ref" in meta["items"]:
+                targets["ref"] = params
+            items, _ = ckpt.restore(step, targets)
+            policy = items["ppo"].policy
+    finally:
+        ckpt.close()
+    pool = None
+    if any(d.needs_sandbox for d in domains.values()):
+        from rlpt.sandbox import SandboxPool
+
+        pool = SandboxPool(workers=config.sandbox.workers, timeout_s=config.sandbox.timeout_s,
+                           memory_mb=config.sandbox.memory_mb)  # fmt: skip
+    try:
+        buckets = tuple(config.rollout.get("buckets", DEFAULT_BUCKETS))
+        sampler = Sampler(
+            graph, mcfg, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, buckets=buckets
+        )
+        evaluator = Evaluator(sampler, tokenizer, Verifier(domains, pool),
+                              max_new_tokens=config.rollout.max_new_tokens,
+                              chunk_size=config.eval.batch_size)  # fmt: skip
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.seed), 3), step)
+        results, _ = evaluator.evaluate(
+            policy, make_eval_data(config, domains), key, n_samples=config.eval.n_samples,
+            k=config.eval.k,
+        )  # fmt: skip
+    finally:
+        if pool is not None:
+            pool.close()
+    return {"step": step, "stage": meta["stage"], "k": config.eval.k, "results": results,
+            **flatten_results(results, config.eval.k)}  # fmt: skip
+
+
+__all__ = [
+    "PostTrainRun",
+    "RUN_CONTROL_FIELDS",
+    "evaluate_checkpoint",
+    "register_stage",
+    "run_identity",
+    "train_and_evaluate",
+]

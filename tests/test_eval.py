@@ -1,0 +1,116 @@
+"""rlpt.eval: the pass@k estimator, standard errors, the verifier cache, eval sets, the table."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from rlpt import eval as ev
+from rlpt.tasks import Task, VerifyResult, get_domain
+from rlpt.tokenizers import ByteTokenizer
+
+
+def _brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    """Fraction of all k-subsets of n samples (c correct) that hold a correct one."""
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize(
+    "n,c,k", [(5, 0, 1), (5, 2, 1), (5, 2, 3), (6, 1, 2), (8, 3, 4), (4, 4, 4)]
+)
+def test_pass_at_k_matches_brute_force_over_subsets(n, c, k):
+    assert ev.pass_at_k(n, c, k) == pytest.approx(_brute_force_pass_at_k(n, c, k), abs=1e-12)
+
+
+def test_pass_at_k_hand_worked_values():
+    # n=4, c=1, k=2: 1 - C(3,2)/C(4,2) = 1 - 3/6.
+    assert ev.pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    # k=1 is the fraction correct.
+    assert ev.pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    # Fewer wrong samples than k: every k-subset holds a correct one.
+    assert ev.pass_at_k(5, 3, 3) == 1.0
+
+
+def test_pass_at_k_is_stable_for_large_n():
+    # The binomials here overflow floats; the product form does not.
+    value = ev.pass_at_k(2000, 1, 1000)
+    assert value == pytest.approx(0.5)
+    assert math.isfinite(ev.pass_at_k(5000, 17, 200))
+
+
+def test_pass_at_k_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        ev.pass_at_k(3, 4, 1)
+    with pytest.raises(ValueError):
+        ev.pass_at_k(3, 1, 4)
+
+
+def test_mean_and_stderr():
+    mean, se = ev.mean_and_stderr([1.0, 0.0, 1.0, 0.0])
+    assert mean == 0.5
+    assert se == pytest.approx(np.std([1, 0, 1, 0], ddof=1) / 2)
+    assert ev.mean_and_stderr([1.0]) == (1.0, 0.0)
+    assert math.isnan(ev.mean_and_stderr([])[0])
+
+
+class _CountingDomain:
+    """A sandbox-like domain that counts what it is asked to verify."""
+
+    name = "fake"
+    needs_sandbox = True
+
+    def __init__(self):
+        self.calls = []
+
+    def verify_batch(self, tasks, completions, pool=None):
+        self.calls.append(list(completions))
+        return [
+            VerifyResult(1.0 if c == "good" else 0.0, "correct" if c == "good" else "wrong",
+                         valid=c != "crash")
+            for c in completions
+        ]  # fmt: skip
+
+
+def test_verifier_caches_sandbox_verdicts_but_not_sandbox_failures():
+    dom = _CountingDomain()
+    verifier = ev.Verifier({"fake": dom})
+    task = Task(id="t", domain="fake", prompt="p", difficulty=1)
+    out = verifier.verify(["fake"] * 4, [task] * 4, ["good", "good", "bad", "crash"])
+    assert [r.outcome for r in out] == ["correct", "correct", "wrong", "wrong"]
+    assert not out[3].valid
+    assert dom.calls == [["good", "bad", "crash"]]  # duplicates submitted once
+    verifier.verify(["fake"] * 3, [task] * 3, ["good", "bad", "crash"])
+    assert dom.calls[-1] == ["crash"]  # only the failed run is retried
+
+
+def test_eval_sets_spread_over_trained_levels_and_ood_is_one_above():
+    domains = {"arithmetic": get_domain("arithmetic")}
+    sets = ev.make_eval_sets(domains, {"arithmetic": 2}, heldout_items=5, ood_items=3, seed=0)
+    levels = [t.difficulty for t in sets["heldout"]["arithmetic"]]
+    assert sorted(levels) == [1, 1, 1, 2, 2]
+    assert {t.split for t in sets["heldout"]["arithmetic"]} == {"heldout"}
+    assert [t.difficulty for t in sets["ood"]["arithmetic"]] == [3, 3, 3]
+
+
+def test_decode_response_marks_ids_past_the_vocabulary():
+    tok = ByteTokenizer()
+    ids = tok.encode("ab") + [tok.vocab_size + 1] + tok.encode("c")
+    assert ev.decode_response(tok, ids) == "ab\ufffdc"
+
+
+def test_flatten_and_table():
+    results = {
+        "heldout": {"arithmetic": {"pass@1": 0.5, "pass@1_se": 0.1, "pass@4": 0.75,
+                                   "pass@4_se": 0.05, "items": 10, "sandbox_failures": 0}},
+        "ood": {"arithmetic": {"pass@1": 0.25, "pass@1_se": 0.1, "items": 10,
+                               "sandbox_failures": 1}},
+    }  # fmt: skip
+    flat = ev.flatten_results(results, 4)
+    assert flat["eval/arithmetic/pass@1"] == 0.5
+    assert flat["eval/arithmetic/pass@4"] == 0.75
+    assert flat["eval/arithmetic/ood/pass@1"] == 0.25
+    table = ev.format_table(results, 4)
+    assert "arithmetic" in table and "0.500±0.100" in table

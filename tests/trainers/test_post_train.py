@@ -1,0 +1,167 @@
+"""The post_train trainer end to end on the demo's runlocal config (tiny model, every stage).
+
+One uninterrupted reference run feeds the schema checks and is the oracle for the
+resume test: a run stopped after a few steps and rerun must log exactly the same
+metrics outside ``time/``. The config includes the sandboxed ``program_synthesis``.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlpt import train
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _demo_config(**overrides):
+    spec = importlib.util.spec_from_file_location(
+        "demo", os.path.join(REPO_ROOT, "experiments/demo.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("runlocal")
+    for key, value in overrides.items():
+        node = config
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    config.lock()
+    return config
+
+
+def _read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _deterministic(records):
+    """Metric lines without resume markers and machine-dependent keys."""
+    out = []
+    for r in records:
+        if "event" in r:
+            continue
+        out.append({k: v for k, v in r.items() if not k.startswith("time/")})
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("post_train") / "reference")
+    summary = train.train_and_evaluate(_demo_config(), workdir)
+    return workdir, summary
+
+
+def test_metrics_follow_the_conventions(reference_run):
+    workdir, _ = reference_run
+    records = _read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), "one line per step, increasing"
+    stages = [r["stage"] for r in records]
+    assert stages[0] == "sft" and stages[-1] == "ppo"
+    assert stages.index("ppo") > max(i for i, s in enumerate(stages) if s == "sft")
+    for r in records:
+        for key in r:
+            assert key in ("step", "stage") or "/" in key, key
+    sft_lines = [r for r in records if r["stage"] == "sft"]
+    assert all("sft/loss" in r for r in sft_lines)
+    ppo_lines = [r for r in records if r["stage"] == "ppo"]
+    for r in ppo_lines:
+        for key in ("ppo/kl", "ppo/entropy", "ppo/sandbox_failures", "ppo/nonfinite_rewards",
+                    "time/step_s", "time/generate_s"):  # fmt: skip
+            assert key in r, key
+        for domain in ("arithmetic", "stepwise_math", "program_synthesis"):
+            assert f"curriculum/{domain}/weight" in r
+            assert f"curriculum/{domain}/difficulty" in r
+    # The warm start's evaluation closes SFT; the final one closes PPO; k = 2 in runlocal.
+    for line in (sft_lines[-1], ppo_lines[-1]):
+        for domain in ("arithmetic", "stepwise_math", "program_synthesis"):
+            assert 0.0 <= line[f"eval/{domain}/pass@1"] <= 1.0
+            assert 0.0 <= line[f"eval/{domain}/pass@2"] <= 1.0
+            assert f"eval/{domain}/ood/pass@1" in line
+
+
+def test_summary_has_the_conventional_shape(reference_run):
+    workdir, summary = reference_run
+    with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
+        on_disk = json.load(f)
+    assert on_disk == json.loads(json.dumps(summary))
+    assert set(on_disk) == {"eval", "curriculum", "wall_s"}
+    domains = {"arithmetic", "stepwise_math", "program_synthesis"}
+    e = on_disk["eval"]
+    assert {"sft", "final", "sft_pass_at_k", "final_pass_at_k", "k", "ood"} <= set(e)
+    assert e["k"] == 2
+    for key in ("sft", "final", "sft_pass_at_k", "final_pass_at_k"):
+        assert set(e[key]) == domains
+    assert set(on_disk["curriculum"]["weights"]) == domains
+    assert sum(on_disk["curriculum"]["weights"].values()) == pytest.approx(1.0)
+    assert set(on_disk["curriculum"]["difficulty"]) == domains
+    assert on_disk["wall_s"] > 0
+
+
+def test_samples_are_logged_at_every_evaluation(reference_run):
+    workdir, _ = reference_run
+    samples = _read_jsonl(os.path.join(workdir, "samples.jsonl"))
+    assert {s["eval"] for s in samples} == {"sft", "periodic", "final"}
+    for s in samples:
+        assert {"step", "domain", "prompt", "completion", "reward", "outcome"} <= set(s)
+
+
+def test_interrupted_run_resumes_to_identical_metrics(reference_run, tmp_path):
+    ref_dir, _ = reference_run
+    workdir = str(tmp_path / "resumed")
+    # SFT is 3 steps in runlocal; stop inside PPO, between checkpoints (every 2 steps),
+    # so the rerun restores step 4 and replays step 5.
+    out = train.train_and_evaluate(_demo_config(stop_after_step=5), workdir)
+    assert out == {"stopped_at_step": 5}
+    train.train_and_evaluate(_demo_config(), workdir)
+    records = _read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    assert [r for r in records if "event" in r] == [
+        {"step": 4, "event": "resumed", "resumed_from_step": 4}
+    ]
+    reference = _read_jsonl(os.path.join(ref_dir, "metrics.jsonl"))
+    assert _deterministic(records) == _deterministic(reference)
+    with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
+        resumed_summary = json.load(f)
+    with open(os.path.join(ref_dir, "summary.json"), encoding="utf-8") as f:
+        reference_summary = json.load(f)
+    resumed_summary.pop("wall_s"), reference_summary.pop("wall_s")
+    assert resumed_summary == reference_summary
+
+
+def test_a_workdir_holding_another_config_is_refused_unless_overwritten(tmp_path):
+    workdir = str(tmp_path / "run")
+    train.train_and_evaluate(_demo_config(stop_after_step=1), workdir)
+    with pytest.raises(ValueError, match="different config.*overwrite"):
+        train.train_and_evaluate(_demo_config(seed=1, stop_after_step=1), workdir)
+    with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+        assert json.load(f)["seed"] == 0  # the run's own config is put back
+    out = train.train_and_evaluate(_demo_config(seed=1, stop_after_step=1, overwrite=True), workdir)
+    assert out == {"stopped_at_step": 1}
+    records = _read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1]
+
+
+def test_unregistered_reward_model_weight_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="reward_model"):
+        train.train_and_evaluate(_demo_config(**{"rewards.reward_model": 1.0}), str(tmp_path))
+
+
+def test_eval_cli_evaluates_the_latest_checkpoint(reference_run):
+    workdir, summary = reference_run
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlpt.eval", f"--workdir={workdir}"],
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["stage"] == "ppo" and result["k"] == 2
+    assert set(result["results"]["heldout"]) == set(summary["eval"]["final"])
+    assert "pass@1" in proc.stderr  # the table
+    assert os.path.exists(os.path.join(workdir, f"eval_step_{result['step']}.json"))

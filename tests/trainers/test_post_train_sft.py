@@ -1,0 +1,95 @@
+"""The supervised warm start (masks, data order, token budget) and the per-sample reward rule."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlpt.models import CausalLM, create_model, get_preset
+from rlpt.tasks import get_domain
+from rlpt.tokenizers import ByteTokenizer
+from rlpt.trainers import sft
+
+TOK = ByteTokenizer()
+
+
+def test_loss_mask_covers_the_completion_and_eos_only():
+    tokens, mask = sft.encode_example(TOK, "1+2=", "<answer>3", max_len=16)
+    prompt = TOK.encode("1+2=", add_bos=True)
+    completion = TOK.encode("<answer>3", add_eos=True)
+    n = len(prompt) + len(completion)
+    assert tokens[:n].tolist() == prompt + completion
+    assert (tokens[n:] == TOK.pad_id).all()
+    assert mask.tolist() == [0] * len(prompt) + [1] * len(completion) + [0] * (16 - n)
+    assert sft.encode_example(TOK, "1+2=", "<answer>3", max_len=n - 1) is None
+
+
+def test_jsonl_examples_and_schema_errors(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n\n")
+    assert sft.read_jsonl_examples(str(path)) == [("a", "b")]
+    path.write_text(json.dumps({"prompt": "a"}) + "\n")
+    with pytest.raises(ValueError, match="completion"):
+        sft.read_jsonl_examples(str(path))
+
+
+def test_demonstration_stream_is_fixed_by_seed_and_resumes_by_position():
+    domains = {"arithmetic": get_domain("arithmetic"), "stepwise_math": get_domain("stepwise_math")}
+    levels = {"arithmetic": 2, "stepwise_math": 1}
+    make = lambda position=0: sft.ExampleStream(
+        TOK, batch_size=4, max_len=64, domains=domains, levels=levels, seed=3, position=position
+    )
+    a = make()
+    first, second = a.next_batch(), a.next_batch()
+    b = make(position=4)
+    np.testing.assert_array_equal(b.next_batch()[0], second[0])
+    assert not np.array_equal(first[0], second[0])
+    # The token budget buys whole batches until it is spent.
+    tokens_per_batch = first[2]
+    assert sft.steps_for_budget(make(), tokens_per_batch) == 1
+    assert sft.steps_for_budget(make(), tokens_per_batch + 1) == 2
+
+
+def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
+    cfg = get_preset("tiny")
+    graph, params = create_model(lambda rngs: CausalLM(cfg, rngs=rngs), jax.random.key(0))
+    tx = sft.make_optimizer(3e-3, warmup_steps=1)
+    train, eval_loss = sft.make_step_fns(graph, tx)
+    rows = [sft.encode_example(TOK, f"{i}+1=", f"<answer>{i + 1}", 32) for i in range(8)]
+    tokens = jnp.asarray(np.stack([r[0] for r in rows]))
+    mask = jnp.asarray(np.stack([r[1] for r in rows]))
+    before = float(eval_loss(params, tokens, mask))
+    state = sft.init_sft_state(params, tx)
+    for _ in range(20):
+        state, metrics = train(state, (tokens, mask))
+    assert float(eval_loss(state.params, tokens, mask)) < before - 1.0
+    assert int(state.step) == 20
+
+
+def test_sandbox_failures_and_non_finite_rewards_get_zero_weight_and_are_counted():
+    import math
+    import types
+
+    from rlpt.tasks import CompositeReward, Task, VerifyResult
+    from rlpt.trainers.post_train import PostTrainRun
+
+    run = types.SimpleNamespace(
+        reward_fn=CompositeReward({"correct": 1.0}),
+        extra_reward=lambda task, text, res: math.nan if text == "nan" else 0.0,
+        meta={"counters": {"sandbox_failures": 0, "nonfinite_rewards": 0}},
+    )
+    task = Task(id="t", domain="d", prompt="p", difficulty=1)
+    results = [
+        VerifyResult(1.0, "correct"),
+        VerifyResult(0.0, "sandbox_error", valid=False),
+        VerifyResult(1.0, "correct"),
+    ]
+    rewards, weight, success, valid = PostTrainRun._rewards(
+        run, [task] * 3, ["ok", "ok", "nan"], results
+    )
+    assert rewards.tolist() == [1.0, 0.0, 0.0]
+    assert weight.tolist() == valid.tolist() == [1.0, 0.0, 0.0]
+    assert success.tolist() == [1.0, 0.0, 0.0]
+    assert run.meta["counters"] == {"sandbox_failures": 1, "nonfinite_rewards": 1}
