@@ -59,7 +59,7 @@ from rlpt.models import CausalLM, ValueModel, create_model, get_preset
 from rlpt.rl import PPOConfig, PPOTrainer, init_train_state, new_rollout_batch
 from rlpt.sampling import DEFAULT_BUCKETS, Sampler, SamplingParams
 from rlpt.tasks import CompositeReward, Domain, LengthPenalty, get_domain
-from rlpt.tokenizers import ByteTokenizer
+from rlpt.tokenizers import ByteTokenizer, Tokenizer
 from rlpt.trainers import sft as sft_lib
 
 SAMPLES_FILE = "samples.jsonl"
@@ -117,8 +117,40 @@ def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 
 def model_config(config: ml_collections.ConfigDict):
+    """The model's shape: a Hugging Face checkpoint's (``model.hf_path``) or a preset's."""
     overrides = dict(_plain(config.model.get("overrides", {})) or {})
+    hf_path = config.model.get("hf_path")
+    if "hf_path" in config.model and not hf_path:
+        raise ValueError("model.hf_path is empty: set it to a Hugging Face model directory")
+    if hf_path:
+        from rlpt.interop import config_from_hf
+        from rlpt.interop.model import read_hf_config
+
+        hf_config = read_hf_config(hf_path)
+        cfg, _ = config_from_hf(hf_config, source=os.path.join(hf_path, "config.json"))
+        return cfg.replace(**overrides) if overrides else cfg
     return get_preset(config.model.preset, **overrides)
+
+
+def make_tokenizer(config: ml_collections.ConfigDict, model_cfg) -> Tokenizer:
+    """The checkpoint's own tokenizer.json for a Hugging Face model, else the byte tokenizer."""
+    hf_path = config.model.get("hf_path")
+    if hf_path:
+        from rlpt.interop import load_hf_tokenizer
+
+        return load_hf_tokenizer(hf_path, model_vocab_size=model_cfg.vocab_size)
+    return ByteTokenizer()
+
+
+def initial_policy(config: ml_collections.ConfigDict, model_cfg, key: jax.Array):
+    """(graphdef, params) of the policy before any training: loaded, or randomly initialised."""
+    hf_path = config.model.get("hf_path")
+    if hf_path:
+        from rlpt.interop import load_hf_model
+
+        loaded = load_hf_model(hf_path, max_seq_len=model_cfg.max_seq_len)
+        return loaded.graphdef, loaded.state
+    return create_model(lambda rngs: CausalLM(model_cfg, rngs=rngs), key)
 
 
 def train_levels(config: ml_collections.ConfigDict, domains: Mapping[str, Domain]) -> dict:
@@ -187,7 +219,7 @@ class PostTrainRun:
         self.domains = make_domains(config)
         self._check_workdir()
 
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = make_tokenizer(config, self.model_cfg)
         self.levels = train_levels(config, self.domains)
         self.extra_reward: Callable | None = None  # set by an rm/prm stage hook
         self.pool = None
@@ -204,9 +236,7 @@ class PostTrainRun:
             name: jax.random.fold_in(key, i)
             for i, name in enumerate(("init", "value_init", "rollout", "eval", "ppo"))
         }
-        self.policy_graph, params = create_model(
-            lambda rngs: CausalLM(self.model_cfg, rngs=rngs), self.keys["init"]
-        )
+        self.policy_graph, params = initial_policy(config, self.model_cfg, self.keys["init"])
         self.init_params = params
         buckets = tuple(config.rollout.get("buckets", DEFAULT_BUCKETS))
         self.sampler = Sampler(
@@ -688,9 +718,9 @@ def evaluate_checkpoint(workdir: str) -> dict[str, Any]:
     with open(os.path.join(workdir, RUN_CONFIG_FILE), encoding="utf-8") as f:
         config = ml_collections.ConfigDict(json.load(f))
     config.overwrite = False
-    tokenizer = ByteTokenizer()
     domains = make_domains(config)
     mcfg = model_config(config)
+    tokenizer = make_tokenizer(config, mcfg)
     graph, params = create_model(lambda rngs: CausalLM(mcfg, rngs=rngs), jax.random.key(0))
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR), async_save=False)
     try:
