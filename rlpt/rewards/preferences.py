@@ -105,17 +105,7 @@ def load_preferences(
     path: str, *, on_error: str = "raise"
 ) -> tuple[list[PreferencePair], SkipCounts]:
     """Pairs from a user JSONL file, and what was skipped (see the module docstring)."""
-    _check_on_error(on_error)
-    skipped = SkipCounts()
-    pairs = []
-    for lineno, record in _read_jsonl(path, on_error, skipped):
-        try:
-            pairs.append(parse_preference(record))
-        except ValueError as e:
-            if on_error == "raise":
-                raise ValueError(f"{path}:{lineno}: {e}") from None
-            skipped.add(_reason(str(e)))
-    return pairs, skipped
+    return _load_records(path, parse_preference, on_error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,17 +145,22 @@ def parse_trace(record: Any) -> Trace:
 
 def load_traces(path: str, *, on_error: str = "raise") -> tuple[list[Trace], SkipCounts]:
     """Traces from a JSONL file (verifier or ``rlpt.sandbox`` output joined with its requests)."""
+    return _load_records(path, parse_trace, on_error)
+
+
+def _load_records(path: str, parse, on_error: str) -> tuple[list, SkipCounts]:
+    """Parse every JSONL record; a bad one raises (naming file and line) or is skipped."""
     _check_on_error(on_error)
     skipped = SkipCounts()
-    traces = []
+    parsed = []
     for lineno, record in _read_jsonl(path, on_error, skipped):
         try:
-            traces.append(parse_trace(record))
+            parsed.append(parse(record))
         except ValueError as e:
             if on_error == "raise":
                 raise ValueError(f"{path}:{lineno}: {e}") from None
             skipped.add(_reason(str(e)))
-    return traces, skipped
+    return parsed, skipped
 
 
 def traces_from_results(tasks, completions: Sequence[str], results) -> list[Trace]:
