@@ -39,6 +39,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.stages = ("sft", "ppo")
 
     config.model = ml_collections.ConfigDict({"preset": "mini", "overrides": {}})
+    # rank > 0: SFT and RL train LoRA adapters only, over one frozen base shared with the
+    # reference; the adapter is saved as DIR/adapters/NAME (see `rlpt.eval --adapter`).
+    config.model.lora = ml_collections.ConfigDict(
+        {"rank": 0, "alpha": 16.0, "targets": ("wq", "wk", "wv", "wo"), "name": "policy"}
+    )
     config.domains = DOMAINS
     # Highest level trained per domain; OOD evaluation is one level above.
     config.train_max_level = ml_collections.ConfigDict({"default": 2})

@@ -12,9 +12,13 @@ errors are the sample standard deviation of the per-item values over sqrt(items)
 Samples the sandbox failed to run (``VerifyResult.valid`` False) are excluded: they
 say nothing about the policy.
 
-The trainer calls the same ``Evaluator`` during training; ``python -m rlpt.eval
---workdir=DIR`` evaluates a run's latest checkpoint, prints a table on standard error
-and the JSON result as the last line of standard output.
+The trainer calls the same ``Evaluator`` during training. On the command line::
+
+    python -m rlpt.eval --workdir=DIR [--adapter=NAME]   # a run's latest checkpoint
+    python -m rlpt.eval --hf=DIR [--adapter=NAME]        # an HF directory or interop ckpt
+
+print a table on standard error and the JSON result as the last line of standard
+output. ``--adapter`` picks one of several LoRA adapters trained over the same base.
 """
 
 from __future__ import annotations
@@ -314,6 +318,41 @@ def format_table(results: Mapping[str, Any], k: int) -> str:
     return "\n".join(lines)
 
 
+def evaluate_hf(
+    path: str,
+    *,
+    adapter: str | None = None,
+    domains: Sequence[str],
+    max_level: int,
+    heldout_items: int,
+    ood_items: int,
+    n_samples: int,
+    k: int,
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Evaluates a Hugging Face directory or an rlpt interop checkpoint (with ``adapter``)."""
+    import ml_collections
+
+    from rlpt.interop.checkpoint import load_for_sampling
+    from rlpt.trainers import post_train
+
+    config = ml_collections.ConfigDict({
+        "seed": seed, "domains": tuple(domains),
+        "train_max_level": {"default": max_level},
+        "sandbox": {"workers": 2, "timeout_s": 1.0, "memory_mb": 256},
+        "rollout": {"max_new_tokens": max_new_tokens},
+        "eval": {"heldout_items": heldout_items, "ood_items": ood_items,
+                 "n_samples": n_samples, "k": k, "batch_size": batch_size, "seed": seed},
+    })  # fmt: skip
+    domain_objs = post_train.make_domains(config)
+    mcfg, graph, state, tokenizer = load_for_sampling(path, adapter=adapter)
+    results = post_train.evaluate_policy(config, domain_objs, mcfg, tokenizer, graph, state)
+    return {"hf": path, "adapter": adapter, "k": k, "results": results,
+            **flatten_results(results, k)}  # fmt: skip
+
+
 def main(argv: Sequence[str]) -> None:
     from absl import logging
 
@@ -321,16 +360,28 @@ def main(argv: Sequence[str]) -> None:
 
     if len(argv) > 1:
         raise ValueError(f"unexpected arguments: {argv[1:]}")
-    workdir = _WORKDIR.value
+    if (_WORKDIR.value is None) == (_HF.value is None):
+        raise ValueError("pass exactly one of --workdir and --hf")
     start = time.perf_counter()
-    result = post_train.evaluate_checkpoint(workdir)
+    if _WORKDIR.value is not None:
+        workdir = _WORKDIR.value
+        result = post_train.evaluate_checkpoint(workdir, adapter=_ADAPTER.value)
+        tag = f"step_{result['step']}" + (f"_{_ADAPTER.value}" if _ADAPTER.value else "")
+        path = os.path.join(workdir, f"eval_{tag.replace(os.sep, '_')}.json")
+    else:
+        result = evaluate_hf(
+            _HF.value, adapter=_ADAPTER.value, domains=_DOMAINS.value, max_level=_MAX_LEVEL.value,
+            heldout_items=_HELDOUT.value, ood_items=_OOD.value, n_samples=_N_SAMPLES.value,
+            k=_K.value, max_new_tokens=_MAX_NEW.value, batch_size=_BATCH.value, seed=_SEED.value,
+        )  # fmt: skip
+        path = _OUTPUT.value
     k = result["k"]
     print(format_table(result["results"], k), file=sys.stderr, flush=True)
     result["time/eval_s"] = time.perf_counter() - start
-    path = os.path.join(workdir, f"eval_step_{result['step']}.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2, sort_keys=True)
-    logging.info("Wrote %s", path)
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2, sort_keys=True)
+        logging.info("Wrote %s", path)
     print(json.dumps(result), flush=True)
 
 
@@ -338,5 +389,24 @@ if __name__ == "__main__":
     from absl import app, flags
 
     _WORKDIR = flags.DEFINE_string("workdir", None, "A post_train run directory.")
-    flags.mark_flags_as_required(["workdir"])
+    _HF = flags.DEFINE_string(
+        "hf", None, "A Hugging Face model directory or an rlpt interop checkpoint."
+    )
+    _ADAPTER = flags.DEFINE_string(
+        "adapter", None,
+        "A LoRA adapter by name (DIR/adapters/NAME) or an adapter directory.",
+    )  # fmt: skip
+    # With --hf (a --workdir run uses its own config):
+    _DOMAINS = flags.DEFINE_list(
+        "domains", ["arithmetic", "stepwise_math", "program_synthesis"], "Domains to evaluate."
+    )
+    _MAX_LEVEL = flags.DEFINE_integer("max_level", 2, "Held-out levels 1..N; OOD at N + 1.")
+    _HELDOUT = flags.DEFINE_integer("heldout_items", 200, "Held-out items per domain.")
+    _OOD = flags.DEFINE_integer("ood_items", 100, "OOD items per domain.")
+    _N_SAMPLES = flags.DEFINE_integer("n_samples", 4, "Samples per item for pass@k.")
+    _K = flags.DEFINE_integer("k", 4, "k of pass@k.")
+    _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 40, "Generation length.")
+    _BATCH = flags.DEFINE_integer("batch_size", 200, "Sequences per generate call.")
+    _SEED = flags.DEFINE_integer("seed", 1234, "Seed of the item draw and the samples.")
+    _OUTPUT = flags.DEFINE_string("output", None, "With --hf: also write the JSON here.")
     app.run(main)

@@ -63,6 +63,10 @@ from rlpt.tokenizers import ByteTokenizer, Tokenizer
 from rlpt.trainers import sft as sft_lib
 
 SAMPLES_FILE = "samples.jsonl"
+# A run of a Hugging Face model leaves its result here as an rlpt interop checkpoint
+# (``python -m rlpt.interop.hf export DIR/model OUT [--adapter=NAME]``).
+MODEL_DIR = "model"
+DEFAULT_ADAPTER_NAME = "policy"
 SUMMARY_FILE = "summary.json"
 RUN_CONFIG_FILE = "run_config.json"
 # Fields that steer how a run is executed, not what it computes: a resumed run may
@@ -153,6 +157,56 @@ def initial_policy(config: ml_collections.ConfigDict, model_cfg, key: jax.Array)
     return create_model(lambda rngs: CausalLM(model_cfg, rngs=rngs), key)
 
 
+def lora_config(config: ml_collections.ConfigDict):
+    """The policy's LoRA settings (``model.lora``), or None when it trains full weights."""
+    spec = config.model.get("lora")
+    if spec is None or not spec.get("rank"):
+        return None
+    from rlpt.models.lora import LoRAConfig
+
+    name = spec.get("name")
+    if name is not None and (not name or os.sep in name or name.startswith(".")):
+        raise ValueError(f"model.lora.name must be a plain directory name, got {name!r}")
+    try:
+        return LoRAConfig.from_dict({k: v for k, v in _plain(spec).items() if k != "name"})
+    except ValueError as e:
+        raise ValueError(f"model.lora: {e}") from None
+
+
+def adapter_name(config: ml_collections.ConfigDict) -> str:
+    spec = config.model.get("lora")
+    return (spec.get("name") if spec is not None else None) or DEFAULT_ADAPTER_NAME
+
+
+def policy_init_key(config: ml_collections.ConfigDict) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(config.seed), 0)
+
+
+def build_policy(config: ml_collections.ConfigDict, model_cfg, key: jax.Array):
+    """(graphdef, trainable params, frozen base or None) of the policy before training.
+
+    With ``model.lora.rank > 0`` only the adapters train; the loaded or initialised
+    weights are the frozen base, shared by policy and reference, never copied.
+    """
+    graph, params = initial_policy(config, model_cfg, key)
+    lora = lora_config(config)
+    if lora is None:
+        return graph, params, None
+    from rlpt.models.lora import create_lora
+
+    graph, adapters = create_lora(model_cfg, lora, jax.random.fold_in(key, 1))
+    return graph, adapters, params
+
+
+def full_policy(params, base):
+    """The state the policy graph runs on: adapters merged with their base, or ``params``."""
+    if base is None:
+        return params
+    from rlpt.models.lora import combine_lora
+
+    return combine_lora(params, base)
+
+
 def train_levels(config: ml_collections.ConfigDict, domains: Mapping[str, Domain]) -> dict:
     """The highest difficulty each domain trains at (the OOD split is one above)."""
     spec = _plain(config.train_max_level)
@@ -214,6 +268,7 @@ class PostTrainRun:
                 raise ValueError(f"stage {stage!r} has no registered implementation")
         # Config errors surface before the workdir is claimed by this config.
         self.reward_fn = make_reward(config)
+        lora_config(config)
         self.ppo_cfg = ppo_config(config)
         self.model_cfg = model_config(config)
         self.domains = make_domains(config)
@@ -236,8 +291,11 @@ class PostTrainRun:
             name: jax.random.fold_in(key, i)
             for i, name in enumerate(("init", "value_init", "rollout", "eval", "ppo"))
         }
-        self.policy_graph, params = initial_policy(config, self.model_cfg, self.keys["init"])
-        self.init_params = params
+        self.lora = lora_config(config)
+        # `init_params` is what trains (the adapters under LoRA); `base_params` the frozen rest.
+        self.policy_graph, self.init_params, self.base_params = build_policy(
+            config, self.model_cfg, self.keys["init"]
+        )
         buckets = tuple(config.rollout.get("buckets", DEFAULT_BUCKETS))
         self.sampler = Sampler(
             self.policy_graph, self.model_cfg, eos_id=self.tokenizer.eos_id,
@@ -258,7 +316,9 @@ class PostTrainRun:
         )  # fmt: skip
         self.sft_steps = sft_lib.steps_for_budget(self.sft_stream, s.token_budget)
         self.sft_tx = sft_lib.make_optimizer(s.learning_rate, s.warmup_steps, s.weight_decay)
-        self.sft_train, self.sft_eval_loss = sft_lib.make_step_fns(self.policy_graph, self.sft_tx)
+        self.sft_train, self.sft_eval_loss = sft_lib.make_step_fns(
+            self.policy_graph, self.sft_tx, frozen=self.base_params
+        )
         heldout_pairs = [
             (t.prompt, self.domains[t.domain].demonstration(t))
             for tasks in self.eval_sets["heldout"].values()
@@ -271,7 +331,9 @@ class PostTrainRun:
             self.value_graph, _ = create_model(
                 lambda rngs: ValueModel(self.model_cfg, rngs=rngs), self.keys["value_init"]
             )
-        self.trainer = PPOTrainer(self.ppo_cfg, self.policy_graph, self.value_graph)
+        self.trainer = PPOTrainer(
+            self.ppo_cfg, self.policy_graph, self.value_graph, frozen=self.base_params
+        )
         self.loader = self._make_loader()
 
         self.ckpt = ckpt_lib.Checkpointer(
@@ -421,7 +483,33 @@ class PostTrainRun:
                 return {"stopped_at_step": self.meta["step"]}
             self.meta["stage_index"] += 1
         self.ckpt.wait()
+        self._save_model_outputs()
         return self._summary()
+
+    def _save_model_outputs(self) -> None:
+        """The trained adapter as ``DIR/adapters/NAME``; for a Hugging Face model, also an
+        interop checkpoint ``DIR/model`` (base weights plus that adapter) to export."""
+        name = adapter_name(self.config)
+        if self.lora is not None:
+            from rlpt.interop.checkpoint import save_adapter
+
+            path = save_adapter(self.workdir, name, self.lora, self._trained_params())
+            logging.info("Saved LoRA adapter %r to %s", name, path)
+        hf_path = self.config.model.get("hf_path")
+        if hf_path:
+            from rlpt.interop import config_from_hf
+            from rlpt.interop.checkpoint import save_adapter, save_checkpoint
+            from rlpt.interop.model import read_hf_config
+
+            hf_config = read_hf_config(hf_path)
+            _, family = config_from_hf(hf_config, source=os.path.join(hf_path, "config.json"))
+            out = os.path.join(self.workdir, MODEL_DIR)
+            weights = self.base_params if self.lora is not None else self._trained_params()
+            save_checkpoint(out, self.model_cfg, weights, family=family, hf_config=hf_config,
+                            tokenizer_dir=hf_path)  # fmt: skip
+            if self.lora is not None:
+                save_adapter(out, name, self.lora, self._trained_params())
+            logging.info("Saved the post-trained model to %s", out)
 
     def _enter_stage(self, stage: str) -> None:
         prev = self.meta["stage"]
@@ -446,10 +534,20 @@ class PostTrainRun:
         _, value = create_model(
             lambda rngs: ValueModel(self.model_cfg, rngs=rngs), self.keys["value_init"]
         )
+        if self.lora is not None:
+            from rlpt.models.lora import merge_lora
+
+            # The critic trains in full: it starts from the adapted policy, adapters folded in.
+            policy_params = merge_lora(self.lora, policy_params, self.base_params)
         value["trunk"] = jax.tree.map(jnp.copy, policy_params["trunk"])
         return value
 
     def _policy_params(self):
+        """The policy's full state (adapters merged with the base under LoRA)."""
+        params = self.state.params if hasattr(self.state, "params") else self.state.policy
+        return full_policy(params, self.base_params)
+
+    def _trained_params(self):
         return self.state.params if hasattr(self.state, "params") else self.state.policy
 
     def _sft(self, stop: int | None, total: int | None) -> bool:
@@ -516,7 +614,8 @@ class PostTrainRun:
             pb = self.loader.next()
             ids = [row[m] for row, m in zip(pb.tokens, pb.mask)]
             out = self.sampler.generate(
-                self.state.policy, ids, jax.random.fold_in(self.keys["rollout"], step),
+                full_policy(self.state.policy, self.base_params), ids,
+                jax.random.fold_in(self.keys["rollout"], step),
                 max_new_tokens=c.rollout.max_new_tokens, sampling=sampling,
             )  # fmt: skip
             t_gen = time.perf_counter()
@@ -713,15 +812,20 @@ def _truncate_jsonl(path: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def evaluate_checkpoint(workdir: str) -> dict[str, Any]:
-    """Evaluates the policy in ``workdir``'s latest checkpoint with the run's own eval config."""
+def evaluate_checkpoint(workdir: str, *, adapter: str | None = None) -> dict[str, Any]:
+    """Evaluates the policy in ``workdir``'s latest checkpoint with the run's own eval config.
+
+    ``adapter``: a LoRA adapter name (``workdir/adapters/NAME``) or an adapter directory,
+    evaluated over the run's frozen base (over its trained policy if the run trained
+    full weights) in place of the checkpoint's own adapter.
+    """
     with open(os.path.join(workdir, RUN_CONFIG_FILE), encoding="utf-8") as f:
         config = ml_collections.ConfigDict(json.load(f))
     config.overwrite = False
     domains = make_domains(config)
     mcfg = model_config(config)
     tokenizer = make_tokenizer(config, mcfg)
-    graph, params = create_model(lambda rngs: CausalLM(mcfg, rngs=rngs), jax.random.key(0))
+    graph, params, base = build_policy(config, mcfg, policy_init_key(config))
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR), async_save=False)
     try:
         step = ckpt.latest_step()
@@ -747,6 +851,28 @@ def evaluate_checkpoint(workdir: str) -> dict[str, Any]:
             policy = items["ppo"].policy
     finally:
         ckpt.close()
+    if adapter is not None:
+        from rlpt.interop.checkpoint import load_adapter
+
+        _, graph, adapter_state = load_adapter(workdir, adapter, mcfg)
+        base = base if base is not None else policy
+        policy = adapter_state
+    results = evaluate_policy(config, domains, mcfg, tokenizer, graph,
+                              full_policy(policy, base), step)  # fmt: skip
+    return {"step": step, "stage": meta["stage"], "adapter": adapter, "k": config.eval.k,
+            "results": results, **flatten_results(results, config.eval.k)}  # fmt: skip
+
+
+def evaluate_policy(
+    config: ml_collections.ConfigDict,
+    domains: Mapping[str, Domain],
+    model_cfg,
+    tokenizer: Tokenizer,
+    graph,
+    state,
+    step: int = 0,
+) -> dict[str, Any]:
+    """Held-out and OOD results of the policy ``(graph, state)`` under ``config.eval``."""
     pool = None
     if any(d.needs_sandbox for d in domains.values()):
         from rlpt.sandbox import SandboxPool
@@ -756,27 +882,30 @@ def evaluate_checkpoint(workdir: str) -> dict[str, Any]:
     try:
         buckets = tuple(config.rollout.get("buckets", DEFAULT_BUCKETS))
         sampler = Sampler(
-            graph, mcfg, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, buckets=buckets
+            graph, model_cfg, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, buckets=buckets
         )
         evaluator = Evaluator(sampler, tokenizer, Verifier(domains, pool),
                               max_new_tokens=config.rollout.max_new_tokens,
                               chunk_size=config.eval.batch_size)  # fmt: skip
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.seed), 3), step)
         results, _ = evaluator.evaluate(
-            policy, make_eval_data(config, domains), key, n_samples=config.eval.n_samples,
+            state, make_eval_data(config, domains), key, n_samples=config.eval.n_samples,
             k=config.eval.k,
         )  # fmt: skip
     finally:
         if pool is not None:
             pool.close()
-    return {"step": step, "stage": meta["stage"], "k": config.eval.k, "results": results,
-            **flatten_results(results, config.eval.k)}  # fmt: skip
+    return results
 
 
 __all__ = [
     "PostTrainRun",
     "RUN_CONTROL_FIELDS",
+    "build_policy",
     "evaluate_checkpoint",
+    "evaluate_policy",
+    "full_policy",
+    "lora_config",
     "register_stage",
     "run_identity",
     "train_and_evaluate",

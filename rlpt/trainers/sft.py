@@ -58,7 +58,9 @@ def init_sft_state(params: Any, tx: optax.GradientTransformation) -> SFTState:
     return SFTState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
-def sft_loss(graphdef: Any, params: Any, tokens: jax.Array, loss_mask: jax.Array):
+def sft_loss(
+    graphdef: Any, params: Any, tokens: jax.Array, loss_mask: jax.Array, frozen: Any = None
+):
     """Mean cross-entropy over the masked targets; ``tokens`` and ``loss_mask`` are [B, L].
 
     The target of position ``t`` is ``tokens[:, t + 1]``; ``loss_mask[:, t + 1]`` says
@@ -70,7 +72,8 @@ def sft_loss(graphdef: Any, params: Any, tokens: jax.Array, loss_mask: jax.Array
     # Rows are right-padded and attention is causal, so no real token sees a pad: no mask.
     input_mask = jnp.ones(inputs.shape, bool)
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-    logits, _ = nnx.merge(graphdef, params)(inputs, positions, input_mask)
+    states = (params,) if frozen is None else (params, frozen)
+    logits, _ = nnx.merge(graphdef, *states)(inputs, positions, input_mask)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     count = jnp.maximum(weights.sum(), 1.0)
@@ -78,11 +81,16 @@ def sft_loss(graphdef: Any, params: Any, tokens: jax.Array, loss_mask: jax.Array
     return (nll * weights).sum() / count, {"token_accuracy": (correct * weights).sum() / count}
 
 
-def sft_step(graphdef: Any, tx: optax.GradientTransformation, state: SFTState, batch):
-    """One AdamW step on a ``(tokens, loss_mask)`` batch -> ``(state, metrics)``."""
+def sft_step(
+    graphdef: Any, tx: optax.GradientTransformation, state: SFTState, batch, frozen: Any = None
+):
+    """One AdamW step on a ``(tokens, loss_mask)`` batch -> ``(state, metrics)``.
+
+    Only ``state.params`` is trained; ``frozen`` (a LoRA base) gets no gradient.
+    """
     tokens, loss_mask = batch
     (loss, aux), grads = jax.value_and_grad(functools.partial(sft_loss, graphdef), has_aux=True)(
-        state.params, tokens, loss_mask
+        state.params, tokens, loss_mask, frozen
     )
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -90,13 +98,21 @@ def sft_step(graphdef: Any, tx: optax.GradientTransformation, state: SFTState, b
     return SFTState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def make_step_fns(graphdef: Any, tx: optax.GradientTransformation):
-    """Jitted ``(train_step, eval_loss)``; the train step donates its state."""
-    train = jax.jit(functools.partial(sft_step, graphdef, tx), donate_argnums=0)
+def make_step_fns(graphdef: Any, tx: optax.GradientTransformation, frozen: Any = None):
+    """Jitted ``(train_step(state, batch), eval_loss(params, tokens, loss_mask))``.
 
-    @jax.jit
+    The train step donates its state. ``frozen``: model variables held fixed outside
+    the trained ``params`` (a LoRA policy's base), merged in at every call.
+    """
+    step = jax.jit(functools.partial(sft_step, graphdef, tx), donate_argnums=0)
+    loss = jax.jit(lambda params, tokens, mask, frozen: sft_loss(
+        graphdef, params, tokens, mask, frozen)[0])  # fmt: skip
+
+    def train(state, batch):
+        return step(state, batch, frozen)
+
     def eval_loss(params, tokens, loss_mask):
-        return sft_loss(graphdef, params, tokens, loss_mask)[0]
+        return loss(params, tokens, loss_mask, frozen)
 
     return train, eval_loss
 

@@ -111,3 +111,59 @@ def test_hf_post_train_starts_from_the_checkpoint_weights_and_tokenizer(tmp_path
     ids = tokenizer.encode(text)
     assert tokenizer.step_id in ids and tokenizer.answer_id in ids
     assert tokenizer.decode(ids) == text
+
+
+def test_hf_post_train_with_lora_saves_an_adapter_that_exports_and_evaluates(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    config = _load(os.path.join(REPO_ROOT, "experiments", "hf_post_train.py")).get_config(
+        "runlocal"
+    )
+    config.model.hf_path = _tiny_hf_checkpoint(tmp_path / "hf")
+    config.model.lora.rank = 4
+    config.model.lora.name = "arith"
+    config.domains = ("arithmetic",)
+    config.ppo.learning_rate = 1e-2  # so three steps move the adapters visibly
+    config.lock()
+    workdir = tmp_path / "run"
+    train.train_and_evaluate(config, str(workdir))
+    model_dir = workdir / "model"
+    assert (model_dir / "adapters" / "arith" / "adapter_config.json").exists()
+
+    import jax
+    import torch
+    from flax import nnx
+    from transformers import AutoModelForCausalLM
+
+    from rlpt.interop.checkpoint import export_hf, load_for_sampling
+
+    out = str(tmp_path / "exported")
+    export_hf(str(model_dir), out, adapter="arith")
+    _, graph, state, _ = load_for_sampling(str(model_dir), adapter="arith")
+    tokens = np.array([[5, 17, 45, 9, 30], [5, 8, 100, 7, 7]])
+    expected = np.asarray(jax.jit(lambda s, t: nnx.merge(graph, s)(t)[0])(state, tokens))
+
+    def hf(path):
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+        with torch.no_grad():
+            return model(input_ids=torch.tensor(tokens)).logits.float().numpy()
+
+    np.testing.assert_allclose(hf(out), expected, atol=1e-4, rtol=0)
+    # The adapter changed the model: the export is not the checkpoint it started from.
+    assert np.abs(hf(str(tmp_path / "hf")) - expected).max() > 1e-4
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlpt.eval", f"--hf={model_dir}", "--adapter=arith",
+         "--domains=arithmetic", "--max_level=1", "--heldout_items=4", "--ood_items=0",
+         "--n_samples=2", "--k=2", "--max_new_tokens=8"],
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["adapter"] == "arith"
+    assert result["results"]["heldout"]["arithmetic"]["items"] == 4
