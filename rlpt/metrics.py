@@ -3,7 +3,13 @@
 Each line is one JSON object: ``step`` (the run's global step, increasing across
 stages), ``stage`` when given, and metric keys named ``STAGE/NAME``. Machine-dependent
 figures (wall clock, throughput) go under ``time/`` so that everything else stays
-deterministic for a given seed and machine. See ``/work/shared/CONVENTIONS.md``.
+deterministic for a given seed and machine.
+
+The same scalars go to TensorBoard event files in ``workdir/tensorboard`` (written
+with tensorboardX, so TensorFlow is not needed; ``tensorboard --logdir=DIR``) and,
+when asked for and installed, to Weights & Biases. ``Progress`` is the console
+progress bar of long stages and ``StepProfiler`` traces chosen steps with the JAX
+profiler.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import numpy as np
 from absl import logging
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+PROFILE_DIR = "profile"
 
 
 def to_json_value(value: Any) -> Any:
@@ -51,20 +59,49 @@ class MetricWriter:
       workdir: the run directory; created if missing.
       enabled: whether this process writes. ``None`` means "only JAX process 0", so a
         multi-host run writes each line once; the other processes get a no-op writer.
+      tensorboard: also write every finite scalar to ``workdir/tensorboard``.
+      wandb_project: also log to this Weights & Biases project (empty: off). Skipped
+        with a warning when ``wandb`` is not installed.
+      run_config: the config recorded with a Weights & Biases run.
     """
 
-    def __init__(self, workdir: str | os.PathLike[str], *, enabled: bool | None = None):
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str],
+        *,
+        enabled: bool | None = None,
+        tensorboard: bool = True,
+        wandb_project: str = "",
+        run_config: Mapping[str, Any] | None = None,
+    ):
         if enabled is None:
             import jax
 
             enabled = jax.process_index() == 0
         self.enabled = enabled
-        self.path = os.path.join(os.fspath(workdir), METRICS_FILE)
+        self.workdir = os.fspath(workdir)
+        self.path = os.path.join(self.workdir, METRICS_FILE)
         self._file = None
+        self._tb = None
+        self._tensorboard = tensorboard and enabled
+        self._wandb = None
         if self.enabled:
-            os.makedirs(os.fspath(workdir), exist_ok=True)
+            os.makedirs(self.workdir, exist_ok=True)
             # Held open across writes (closed by close()), so no context manager.
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+            if wandb_project:
+                self._wandb = _start_wandb(wandb_project, self.workdir, run_config)
+        if self._tensorboard:
+            self._open_tensorboard(purge_step=None)
+
+    def _open_tensorboard(self, purge_step: int | None) -> None:
+        from tensorboardX import SummaryWriter
+
+        # purge_step: TensorBoard hides events at or after it that an earlier,
+        # interrupted writer left behind, so a resumed run's curves do not fork.
+        self._tb = SummaryWriter(
+            os.path.join(self.workdir, TENSORBOARD_DIR), purge_step=purge_step, flush_secs=10
+        )
 
     def write(
         self, step: int, metrics: Mapping[str, Any], *, stage: str | None = None
@@ -85,7 +122,24 @@ class MetricWriter:
                 key = f"{stage}/{key}"
             record[key] = to_json_value(value)
         self._write_record(record)
+        self._write_scalars(record)
         return record
+
+    def _write_scalars(self, record: Mapping[str, Any]) -> None:
+        if self._tb is None and self._wandb is None:
+            return
+        step = record["step"]
+        scalars = {
+            k: float(v)
+            for k, v in record.items()
+            if k not in ("step", "stage") and isinstance(v, int | float)
+            and not isinstance(v, bool) and math.isfinite(v)
+        }  # fmt: skip
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def resume(self, step: int) -> None:
         """Applies the resume rule after restoring a checkpoint taken at ``step``.
@@ -118,6 +172,9 @@ class MetricWriter:
             os.fsync(f.fileno())
         os.replace(tmp_path, self.path)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        if self._tb is not None:
+            self._tb.close()
+            self._open_tensorboard(purge_step=step + 1)
         self._write_record({"step": step, "event": "resumed", "resumed_from_step": step})
         logging.info("Resumed from step %d; metrics after it dropped from %s.", step, self.path)
 
@@ -125,6 +182,12 @@ class MetricWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> MetricWriter:
         return self
@@ -139,3 +202,88 @@ class MetricWriter:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+
+
+def _start_wandb(project: str, workdir: str, run_config: Mapping[str, Any] | None):
+    try:
+        import wandb
+    except ImportError:
+        logging.warning("wandb_project=%r but wandb is not installed; not logging to it", project)
+        return None
+    # One W&B run per workdir: a resumed run continues the same W&B run.
+    id_path = os.path.join(workdir, "wandb_run_id")
+    if os.path.exists(id_path):
+        with open(id_path, encoding="utf-8") as f:
+            run_id = f.read().strip()
+    else:
+        run_id = wandb.util.generate_id()
+        with open(id_path, "w", encoding="utf-8") as f:
+            f.write(run_id)
+    return wandb.init(
+        project=project, dir=workdir, id=run_id, resume="allow",
+        config=dict(run_config or {}),
+    )  # fmt: skip
+
+
+class Progress:
+    """A console progress bar (tqdm) with rate, ETA and a few key metrics.
+
+    ``enabled=None`` shows it only on a terminal, so log files stay clean.
+    """
+
+    def __init__(self, total: int | None, desc: str, *, initial: int = 0, enabled=None):
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(
+            total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True,
+            disable=None if enabled is None else not enabled,
+        )  # fmt: skip
+
+    def update(self, metrics: Mapping[str, Any] | None = None, n: int = 1) -> None:
+        if metrics:
+            self._bar.set_postfix(
+                {k.split("/")[-1]: f"{float(v):.3g}" for k, v in metrics.items()},
+                refresh=False,
+            )  # fmt: skip
+        self._bar.update(n)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+class StepProfiler:
+    """JAX profiler traces of chosen global steps, into ``logdir`` (TensorBoard's
+    profile plugin or Perfetto read them).
+
+    Call ``start(step)`` before a step's work and ``stop(step, result)`` after it;
+    ``stop`` waits for ``result``'s arrays so the trace holds the whole step.
+    """
+
+    def __init__(self, steps, logdir: str):
+        self.steps = {int(s) for s in steps or ()}
+        self.logdir = logdir
+        self._active = False
+
+    def start(self, step: int) -> None:
+        if step in self.steps and not self._active:
+            import jax
+
+            os.makedirs(self.logdir, exist_ok=True)
+            jax.profiler.start_trace(self.logdir)
+            self._active = True
+
+    def stop(self, step: int, result: Any = None) -> None:
+        if self._active and step in self.steps:
+            import jax
+
+            jax.block_until_ready(result)
+            jax.profiler.stop_trace()
+            self._active = False
+            logging.info("Profiled step %d into %s", step, self.logdir)
+
+    def close(self) -> None:
+        if self._active:
+            import jax
+
+            jax.profiler.stop_trace()
+            self._active = False

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 from absl.testing import absltest
 
-from rlpt.metrics import METRICS_FILE, MetricWriter, to_json_value
+from rlpt.metrics import (
+    METRICS_FILE,
+    TENSORBOARD_DIR,
+    MetricWriter,
+    Progress,
+    StepProfiler,
+    to_json_value,
+)
 
 
 def _read(workdir):
@@ -115,3 +122,115 @@ def test_disabled_writer_writes_nothing(tmp_path):
 def test_default_writes_on_process_zero(tmp_path):
     with MetricWriter(tmp_path) as writer:
         assert writer.enabled
+
+
+def _tensorboard_scalars(workdir):
+    """Every scalar in the event files, decoded from TFRecord framing by hand."""
+    import glob
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    scalars = []
+    for path in sorted(glob.glob(str(workdir / TENSORBOARD_DIR / "events.out.tfevents.*"))):
+        with open(path, "rb") as f:
+            data = f.read()
+        pos = 0
+        while pos < len(data):
+            # TFRecord: uint64 length, uint32 crc, payload, uint32 crc.
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            payload = data[pos + 12 : pos + 12 + length]
+            pos += 12 + length + 4
+            event = event_pb2.Event()
+            event.ParseFromString(payload)
+            if event.HasField("file_version"):
+                continue
+            for value in event.summary.value:
+                scalars.append((event.step, value.tag, value.simple_value))
+            if event.HasField("session_log"):
+                scalars.append((event.step, "session_log", float(event.session_log.status)))
+    return scalars
+
+
+def test_tensorboard_holds_the_same_scalars_as_the_jsonl(tmp_path):
+    with MetricWriter(tmp_path, enabled=True) as writer:
+        writer.write(1, {"ppo/kl": 0.5, "time/step_s": 0.25, "ppo/note": "x"}, stage="ppo")
+        writer.write(2, {"ppo/kl": float("nan"), "ppo/success": 0.75}, stage="ppo")
+    got = sorted(_tensorboard_scalars(tmp_path))
+    # Strings and non-finite values are not scalars; everything else is.
+    assert got == [(1, "ppo/kl", 0.5), (1, "time/step_s", 0.25), (2, "ppo/success", 0.75)]
+
+
+def test_tensorboard_off_writes_no_event_files(tmp_path):
+    with MetricWriter(tmp_path, enabled=True, tensorboard=False) as writer:
+        writer.write(1, {"a/b": 1.0})
+    assert not (tmp_path / TENSORBOARD_DIR).exists()
+
+
+def test_resume_purges_later_tensorboard_steps(tmp_path):
+    with MetricWriter(tmp_path, enabled=True) as writer:
+        for step in (1, 2, 3):
+            writer.write(step, {"a/x": float(step)})
+    with MetricWriter(tmp_path, enabled=True) as writer:
+        writer.resume(1)
+        writer.write(2, {"a/x": 20.0})
+    events = _tensorboard_scalars(tmp_path)
+    # The resumed writer marks steps after 1 as discarded (a SessionLog.START at
+    # purge step 2), which TensorBoard uses to drop the stale 2 and 3.
+    start = tensorboardX_session_start()
+    assert (2, "session_log", float(start)) in events
+    assert events[-1] == (2, "a/x", 20.0)
+
+
+def tensorboardX_session_start():
+    from tensorboardX.proto import event_pb2
+
+    return event_pb2.SessionLog.START
+
+
+def test_wandb_missing_only_warns(tmp_path, monkeypatch):
+    import builtins
+    import sys
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("no wandb here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with MetricWriter(tmp_path, enabled=True, wandb_project="p") as writer:
+        writer.write(1, {"a/x": 1.0})
+    assert _read(tmp_path) == [{"step": 1, "a/x": 1.0}]
+
+
+def test_progress_shows_rate_and_metrics(capsys):
+    progress = Progress(4, "sft", enabled=True)
+    for i in range(4):
+        progress.update({"sft/loss": 1.0 / (i + 1)})
+    progress.close()
+    err = capsys.readouterr().err
+    assert "sft" in err and "4/4" in err and "loss=0.25" in err and "step/s" in err
+
+
+def test_progress_disabled_prints_nothing(capsys):
+    progress = Progress(4, "sft", enabled=False)
+    progress.update({"sft/loss": 1.0})
+    progress.close()
+    assert capsys.readouterr().err == ""
+
+
+def test_step_profiler_traces_only_the_chosen_steps(tmp_path):
+    import glob
+
+    profiler = StepProfiler((2,), str(tmp_path / "prof"))
+    for step in (1, 2, 3):
+        profiler.start(step)
+        result = jnp.arange(8.0).sum() * step
+        profiler.stop(step, result)
+    profiler.close()
+    traces = glob.glob(str(tmp_path / "prof" / "**" / "*.xplane.pb"), recursive=True)
+    assert len(traces) == 1
+    assert not StepProfiler((), str(tmp_path / "none")).steps

@@ -54,7 +54,14 @@ from rlpt.eval import (
     format_table,
     make_eval_sets,
 )
-from rlpt.metrics import METRICS_FILE, MetricWriter, to_json_value
+from rlpt.metrics import (
+    METRICS_FILE,
+    PROFILE_DIR,
+    MetricWriter,
+    Progress,
+    StepProfiler,
+    to_json_value,
+)
 from rlpt.models import CausalLM, ValueModel, create_model, get_preset
 from rlpt.rl import PPOConfig, PPOTrainer, init_train_state, new_rollout_batch
 from rlpt.sampling import DEFAULT_BUCKETS, Sampler, SamplingParams
@@ -71,7 +78,7 @@ SUMMARY_FILE = "summary.json"
 RUN_CONFIG_FILE = "run_config.json"
 # Fields that steer how a run is executed, not what it computes: a resumed run may
 # change them without being "a different config".
-RUN_CONTROL_FIELDS = ("overwrite", "stop_after_step")
+RUN_CONTROL_FIELDS = ("overwrite", "stop_after_step", "logging", "profile")
 STAGES = ("sft", "rm", "prm", "ppo", "sft_continued")
 
 StageFn = Callable[["PostTrainRun"], None]
@@ -340,7 +347,11 @@ class PostTrainRun:
             os.path.join(self.workdir, ckpt_lib.CHECKPOINT_DIR),
             keep=config.checkpoint.keep, async_save=config.checkpoint.async_save,
         )  # fmt: skip
-        self.writer = MetricWriter(self.workdir)
+        self.writer = self._metric_writer()
+        self.profiler = StepProfiler(
+            _plain(config.get("profile", {})).get("steps", ()),
+            _plain(config.get("profile", {})).get("dir") or os.path.join(self.workdir, PROFILE_DIR),
+        )
         # What the checkpoint's JSON record carries besides arrays.
         self.meta: dict[str, Any] = {
             "step": 0, "stage": "", "stage_index": 0, "stage_step": 0,
@@ -394,6 +405,17 @@ class PostTrainRun:
             shard_index=0, shard_count=1,
         )  # fmt: skip
 
+    def _metric_writer(self) -> MetricWriter:
+        log = _plain(self.config.get("logging", {}))
+        return MetricWriter(
+            self.workdir, tensorboard=log.get("tensorboard", True),
+            wandb_project=log.get("wandb_project", ""), run_config=run_identity(self.config),
+        )  # fmt: skip
+
+    def _progress(self, total: int | None, desc: str) -> Progress:
+        enabled = _plain(self.config.get("logging", {})).get("progress_bar", None)
+        return Progress(total, desc, initial=self.meta["stage_step"], enabled=enabled)
+
     # -- checkpoints --------------------------------------------------------------------------
 
     def _items(self) -> dict[str, Any]:
@@ -436,7 +458,7 @@ class PostTrainRun:
             for name in (METRICS_FILE, SAMPLES_FILE, SUMMARY_FILE):
                 if os.path.exists(os.path.join(self.workdir, name)):
                     os.remove(os.path.join(self.workdir, name))
-            self.writer = MetricWriter(self.workdir)
+            self.writer = self._metric_writer()
             return False
         meta = self.ckpt.read_meta(step)
         targets = {}
@@ -561,6 +583,13 @@ class PostTrainRun:
         # A wall-clock budget counts the time spent before an interruption too.
         began = time.perf_counter() - self.meta.get("stage_elapsed_s", 0.0)
         window = time.perf_counter()
+        progress = self._progress(total, "sft_continued" if continued else "sft")
+        try:
+            return self._sft_loop(stop, total, c, continued, began, window, progress)
+        finally:
+            progress.close()
+
+    def _sft_loop(self, stop, total, c, continued, began, window, progress) -> bool:
         window_steps = window_tokens = 0
         while not self.meta.get("stage_done", False):
             if total is not None and self.meta["stage_step"] >= total:
@@ -568,7 +597,9 @@ class PostTrainRun:
             tokens, mask, n_tokens = self.sft_stream.next_batch()
             window_steps += 1
             window_tokens += n_tokens
+            self.profiler.start(self.meta["step"] + 1)
             self.state, m = self.sft_train(self.state, (jnp.asarray(tokens), jnp.asarray(mask)))
+            self.profiler.stop(self.meta["step"] + 1, m)
             self.meta["step"] += 1
             self.meta["stage_step"] += 1
             step = self.meta["step"]
@@ -598,6 +629,7 @@ class PostTrainRun:
                 metrics.update(self._full_eval("final" if continued else "sft"))
             if metrics:
                 self._write(step, metrics, "sft")
+            progress.update({k: metrics[k] for k in ("sft/loss",) if k in metrics})
             if last or step % self.config.checkpoint.every == 0:
                 self.save()
             if stop is not None and step >= stop and not last:
@@ -607,10 +639,19 @@ class PostTrainRun:
     def _ppo(self, stop: int | None) -> bool:
         c = self.config
         total = c.ppo_steps
+        progress = self._progress(total, "ppo")
+        try:
+            return self._ppo_loop(stop, total, progress)
+        finally:
+            progress.close()
+
+    def _ppo_loop(self, stop: int | None, total: int, progress: Progress) -> bool:
+        c = self.config
         sampling = SamplingParams(temperature=c.rollout.temperature)
         while self.meta["stage_step"] < total:
             t0 = time.perf_counter()
             step = self.meta["step"] + 1
+            self.profiler.start(step)
             pb = self.loader.next()
             ids = [row[m] for row, m in zip(pb.tokens, pb.mask)]
             out = self.sampler.generate(
@@ -628,8 +669,13 @@ class PostTrainRun:
             t_ver = time.perf_counter()
             rewards, weight, success, valid = self._rewards(pb.tasks, texts, results)
             prompt_tokens, prompt_mask = self.sampler.prepare(ids, c.rollout.max_new_tokens)
+            # Most responses stop well before max_new_tokens, and the update's cost grows
+            # with the padded width: cut to the longest response, rounded up to a multiple
+            # of 8 so at most a few widths compile. Masked positions add nothing to any loss.
+            width = min(c.rollout.max_new_tokens, -(-max(int(out.lengths.max()), 1) // 8) * 8)
             batch = new_rollout_batch(
-                prompt_tokens, prompt_mask, out.tokens, out.mask, sequence_rewards=rewards,
+                prompt_tokens, prompt_mask, out.tokens[:, :width], out.mask[:, :width],
+                sequence_rewards=rewards,
                 loss_weight=pb.loss_weight * weight, group_id=pb.group_id,
                 truncated=out.truncated, step_token_id=self.tokenizer.step_id,
             )  # fmt: skip
@@ -646,6 +692,7 @@ class PostTrainRun:
                 difficulty=pb.difficulty[keep],
             ))  # fmt: skip
             update_metrics = jax.device_get(update_metrics)
+            self.profiler.stop(step, self.state)
             t_upd = time.perf_counter()
             self.meta["step"] = step
             self.meta["stage_step"] += 1
@@ -663,6 +710,7 @@ class PostTrainRun:
             elif c.eval.every and self.meta["stage_step"] % c.eval.every == 0:
                 metrics.update(self._periodic_eval())
             self._write(step, metrics, "ppo")
+            progress.update({k: metrics[k] for k in ("ppo/success", "ppo/kl") if k in metrics})
             if last or step % c.checkpoint.every == 0:
                 self.save()
             if stop is not None and step >= stop and not last:
@@ -788,6 +836,7 @@ class PostTrainRun:
         return summary
 
     def close(self) -> None:
+        self.profiler.close()
         self.ckpt.close()
         self.writer.close()
         self.loader.close()

@@ -53,7 +53,9 @@ def _deterministic(records):
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("post_train") / "reference")
-    summary = train.train_and_evaluate(_demo_config(), workdir)
+    # Step 2 is traced with the JAX profiler: a control field, so resuming the
+    # reference's config without it is still the same run.
+    summary = train.train_and_evaluate(_demo_config(**{"profile.steps": (2,)}), workdir)
     return workdir, summary
 
 
@@ -84,6 +86,15 @@ def test_metrics_follow_the_conventions(reference_run):
             assert 0.0 <= line[f"eval/{domain}/pass@1"] <= 1.0
             assert 0.0 <= line[f"eval/{domain}/pass@2"] <= 1.0
             assert f"eval/{domain}/ood/pass@1" in line
+
+
+def test_tensorboard_and_profile_are_written(reference_run):
+    import glob
+
+    workdir, _ = reference_run
+    assert glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
+    traces = glob.glob(os.path.join(workdir, "profile", "**", "*.xplane.pb"), recursive=True)
+    assert len(traces) == 1
 
 
 def test_summary_has_the_conventional_shape(reference_run):
