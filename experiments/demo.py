@@ -97,8 +97,37 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rewards.length = 0.0
     config.rewards.length_target_bytes = 64
     config.rewards.length_scale_bytes = 100.0
-    config.rewards.reward_model = 0.0  # hooks for rlpt.rewards; need an rm/prm stage
+    # Learned rewards: weights > 0 need the 'rm' / 'prm' stage in config.stages, e.g.
+    # --config.stages='("sft","rm","prm","ppo")' --config.rewards.reward_model=0.5
+    config.rewards.reward_model = 0.0
     config.rewards.process = 0.0
+    config.rewards.process_aggregation = "min"  # or "sum" over future steps
+    config.rewards.learned_clip = 5.0  # learned terms: running normalisation, then this clip
+
+    # The 'rm' stage: Bradley-Terry on correctness pairs of these domains (a demonstration
+    # against a well-formed wrong variant) plus, optionally, a user's preference JSONL.
+    config.reward_model = ml_collections.ConfigDict()
+    config.reward_model.domains = ("arithmetic", "stepwise_math")
+    config.reward_model.pairs_jsonl = ""  # {"prompt", "chosen", "rejected"} per line
+    config.reward_model.pairs_per_level = 1500
+    config.reward_model.heldout_pairs = 100  # per domain and level
+    config.reward_model.steps = 400
+    config.reward_model.batch_size = 64
+    config.reward_model.learning_rate = 1e-3
+    config.reward_model.warmup_steps = 50
+    config.reward_model.margin = 0.0
+
+    # The 'prm' stage: Math-Shepherd labels from the policy's own continuations.
+    config.process_reward = ml_collections.ConfigDict()
+    config.process_reward.domain = "stepwise_math"
+    config.process_reward.label = "soft"  # fraction of continuations reaching the answer
+    config.process_reward.label_tasks = 192  # per level
+    config.process_reward.continuations = 4
+    config.process_reward.heldout_tasks = 150
+    config.process_reward.steps = 400
+    config.process_reward.batch_size = 64
+    config.process_reward.learning_rate = 1e-3
+    config.process_reward.warmup_steps = 50
 
     config.curriculum = ml_collections.ConfigDict()
     config.curriculum.strategy = "bandit"
@@ -166,3 +195,14 @@ def shrink_for_runlocal(config: ml_collections.ConfigDict) -> None:
     config.eval.batch_size = 8
     config.eval.log_samples = 2
     config.checkpoint.every = 2
+    config.reward_model.pairs_per_level = 16
+    config.reward_model.heldout_pairs = 8
+    config.reward_model.steps = 3
+    config.reward_model.batch_size = 8
+    config.reward_model.warmup_steps = 1
+    config.process_reward.label_tasks = 8
+    config.process_reward.continuations = 2
+    config.process_reward.heldout_tasks = 4
+    config.process_reward.steps = 3
+    config.process_reward.batch_size = 8
+    config.process_reward.warmup_steps = 1

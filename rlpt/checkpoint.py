@@ -77,23 +77,29 @@ class Checkpointer:
         return dict(restored[_META])
 
     def restore(
-        self, step: int, targets: Mapping[str, Any]
+        self, step: int, targets: Mapping[str, Any], *, only: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restores ``(items, meta)`` of ``step``.
 
         ``targets`` maps each item name to a pytree of the same structure (arrays or
         ``jax.ShapeDtypeStruct`` with shardings): restoring places every leaf as its
-        target is placed, so a run may resume on a different mesh.
+        target is placed, so a run may resume on a different mesh. A checkpoint
+        item without a target is an error (a resume must not silently drop state)
+        unless ``only``, which restores just the targeted items (to read a policy).
         """
         meta = self.read_meta(step)
         missing = sorted(set(meta["items"]) - set(targets))
-        if missing:
+        if missing and not only:
             raise ValueError(
                 f"checkpoint {step} holds items {missing} that no target was given for"
             )
-        args = {name: ocp.args.StandardRestore(_abstract(targets[name])) for name in meta["items"]}
+        absent = sorted(set(targets) - set(meta["items"]))
+        if absent:
+            raise ValueError(f"checkpoint {step} holds no items {absent}")
+        names = [name for name in meta["items"] if name in targets]
+        args = {name: ocp.args.StandardRestore(_abstract(targets[name])) for name in names}
         restored = self._manager.restore(step, args=ocp.args.Composite(**args))
-        return {name: restored[name] for name in meta["items"]}, meta
+        return {name: restored[name] for name in names}, meta
 
     def wait(self) -> None:
         """Blocks until every started save is on disk."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,7 @@ from absl import logging
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PROFILE_DIR = "profile"
+_ILLEGAL_TAG_CHARS = re.compile(r"[^-/\w.]")
 
 
 def to_json_value(value: Any) -> Any:
@@ -137,7 +139,8 @@ class MetricWriter:
         }  # fmt: skip
         if self._tb is not None:
             for key, value in scalars.items():
-                self._tb.add_scalar(key, value, step)
+                # TensorBoard tags allow [A-Za-z0-9_./-] only ("pass@1" -> "pass_1").
+                self._tb.add_scalar(_ILLEGAL_TAG_CHARS.sub("_", key), value, step)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 

@@ -57,3 +57,17 @@ def test_saving_a_step_again_replaces_it(tmp_path, ppo_state):
         ck.save(4, {"sft": params}, {"note": "second"})
         ck.wait()
         assert ck.read_meta(4)["note"] == "second"
+
+
+def test_restore_refuses_untargeted_items_unless_only_the_targeted_are_asked(tmp_path):
+    a = {"w": np.arange(3.0, dtype=np.float32)}
+    b = {"v": np.ones(2, np.float32)}
+    with Checkpointer(tmp_path / CHECKPOINT_DIR, async_save=False) as ckpt:
+        ckpt.save(1, {"a": a, "b": b}, {"step": 1})
+        with pytest.raises(ValueError, match=r"holds items \['b'\] that no target"):
+            ckpt.restore(1, {"a": a})
+        items, meta = ckpt.restore(1, {"a": {"w": np.zeros(3, np.float32)}}, only=True)
+        assert set(items) == {"a"} and meta["step"] == 1
+        np.testing.assert_array_equal(items["a"]["w"], [0.0, 1.0, 2.0])
+        with pytest.raises(ValueError, match=r"holds no items \['c'\]"):
+            ckpt.restore(1, {"c": a}, only=True)

@@ -154,11 +154,16 @@ def _tensorboard_scalars(workdir):
 
 def test_tensorboard_holds_the_same_scalars_as_the_jsonl(tmp_path):
     with MetricWriter(tmp_path, enabled=True) as writer:
-        writer.write(1, {"ppo/kl": 0.5, "time/step_s": 0.25, "ppo/note": "x"}, stage="ppo")
+        writer.write(
+            1, {"ppo/kl": 0.5, "time/step_s": 0.25, "ppo/note": "x", "e/pass@1": 1}, stage="ppo"
+        )
         writer.write(2, {"ppo/kl": float("nan"), "ppo/success": 0.75}, stage="ppo")
     got = sorted(_tensorboard_scalars(tmp_path))
     # Strings and non-finite values are not scalars; everything else is.
-    assert got == [(1, "ppo/kl", 0.5), (1, "time/step_s", 0.25), (2, "ppo/success", 0.75)]
+    assert got == [
+        (1, "e/pass_1", 1.0), (1, "ppo/kl", 0.5), (1, "time/step_s", 0.25),
+        (2, "ppo/success", 0.75),
+    ]  # fmt: skip
 
 
 def test_tensorboard_off_writes_no_event_files(tmp_path):

@@ -5,8 +5,10 @@ Stages, run in ``config.stages`` order with one global ``step`` across them:
 1. ``sft``: the policy learns from demonstrations (``rlpt.trainers.sft``) for a
    fixed budget of completion tokens; then the full evaluation (held-out greedy
    pass@1, sampled pass@k, OOD) runs and the policy is frozen as the reference.
-2. ``rm`` / ``prm`` (hooks): functions registered with ``register_stage`` run here;
-   none is built in, so listing one without registering it is an error.
+2. ``rm`` / ``prm``: a reward model (Bradley-Terry on correctness pairs of the answer
+   domains, plus a user's preference JSONL) and a process reward model (Math-Shepherd
+   labels from the policy's own continuations), both started from the warm-started
+   trunk (``rlpt.trainers.learned_rewards``). ``register_stage`` replaces either.
 3. ``ppo``: rollouts from the curriculum loader, verifier rewards (program synthesis
    runs in the sandbox pool), PPO with a critic (``ppo.estimator='gae'``, the value
    trunk starts from the SFT policy) or critic-free GRPO/RLOO, KL to the reference,
@@ -17,10 +19,13 @@ Stages, run in ``config.stages`` order with one global ``step`` across them:
 
 Rewards: ``config.rewards`` weighs the verifier's reward (``outcome``), a format term
 and a length penalty (``rlpt.tasks.rewards``), summed per sequence on its last token.
-``reward_model`` and ``process`` weights are the hook for learned rewards and must
-stay 0 until a stage provides them. A sample the sandbox failed to run, or whose
-reward is not finite, is kept in the batch (shapes stay fixed) with loss weight 0,
-and counted.
+``reward_model`` and ``process`` weigh the learned rewards of the ``rm``/``prm``
+stages (the reward-model score on the last token, process rewards on each step's
+last token), normalised and clipped, with a per-domain monitor of their agreement
+with the verifier that also feeds the curriculum's confidence.
+
+A sample the sandbox failed to run, or whose reward is not finite, is kept in the
+batch (shapes stay fixed) with loss weight 0, and counted.
 
 One line per step goes to ``metrics.jsonl``; evaluations at a step join that step's
 line, so no step appears twice. ``samples.jsonl`` gets greedy completions with their
@@ -30,6 +35,7 @@ everything the run needs to continue exactly: rerunning the same command resumes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -67,6 +73,7 @@ from rlpt.rl import PPOConfig, PPOTrainer, init_train_state, new_rollout_batch
 from rlpt.sampling import DEFAULT_BUCKETS, Sampler, SamplingParams
 from rlpt.tasks import CompositeReward, Domain, LengthPenalty, get_domain
 from rlpt.tokenizers import ByteTokenizer, Tokenizer
+from rlpt.trainers import learned_rewards
 from rlpt.trainers import sft as sft_lib
 
 SAMPLES_FILE = "samples.jsonl"
@@ -245,12 +252,6 @@ def ppo_config(config: ml_collections.ConfigDict) -> PPOConfig:
 def make_reward(config: ml_collections.ConfigDict) -> CompositeReward:
     """Verifier reward plus format and length terms, weighted by ``config.rewards``."""
     r = config.rewards
-    for learned in ("reward_model", "process"):
-        if r.get(learned, 0.0):
-            raise ValueError(
-                f"rewards.{learned} is {r[learned]} but no stage provides a {learned} "
-                "(register an 'rm'/'prm' stage with register_stage that sets run.extra_reward)"
-            )
     weights = {"correct": r.outcome, "format": r.format, "length": r.length}
     terms = {"length": LengthPenalty(r.length_target_bytes, r.length_scale_bytes)}
     return CompositeReward({k: v for k, v in weights.items() if v}, terms={
@@ -271,10 +272,9 @@ class PostTrainRun:
         for stage in config.stages:
             if stage not in STAGES:
                 raise ValueError(f"unknown stage {stage!r}; allowed: {STAGES}")
-            if stage in ("rm", "prm") and stage not in _STAGE_HOOKS:
-                raise ValueError(f"stage {stage!r} has no registered implementation")
         # Config errors surface before the workdir is claimed by this config.
         self.reward_fn = make_reward(config)
+        learned_rewards.check_config(config)
         lora_config(config)
         self.ppo_cfg = ppo_config(config)
         self.model_cfg = model_config(config)
@@ -283,7 +283,8 @@ class PostTrainRun:
 
         self.tokenizer = make_tokenizer(config, self.model_cfg)
         self.levels = train_levels(config, self.domains)
-        self.extra_reward: Callable | None = None  # set by an rm/prm stage hook
+        self.extra_reward: Callable | None = None  # a registered stage hook may set it
+        self.learned = learned_rewards.LearnedRewards.from_config(config, self.tokenizer)
         self.pool = None
         if any(d.needs_sandbox for d in self.domains.values()):
             from rlpt.sandbox import SandboxPool
@@ -422,7 +423,7 @@ class PostTrainRun:
         stage = self.meta["stage"]
         if stage in ("sft", "sft_continued"):
             return {"sft": self.state}
-        items = {"ppo": self.state}
+        items = {"ppo": self.state, **self.learned.items()}
         if self.ref_params is not None:
             items["ref"] = self.ref_params
         return items
@@ -432,6 +433,7 @@ class PostTrainRun:
         self.meta["sft_position"] = self.sft_stream.position
         self.meta["elapsed_s"] = self._elapsed()
         self.meta["config"] = run_identity(self.config)
+        self.meta["reward_monitor"] = self.learned.monitor_state()
         self.ckpt.save(self.meta["step"], self._items(), self.meta)
 
     def _elapsed(self) -> float:
@@ -468,7 +470,12 @@ class PostTrainRun:
             targets["ppo"] = self._ppo_state_template()
         if "ref" in meta["items"]:
             targets["ref"] = self.init_params
+        targets.update(
+            self.learned.templates(meta["items"], self.model_cfg, self.tokenizer.step_id)
+        )
         items, meta = self.ckpt.restore(step, targets)
+        self.learned.set_items(items)
+        self.learned.set_monitor_state(meta.get("reward_monitor", {}))
         self.meta = meta
         self.state = items.get("sft", items.get("ppo"))
         self.ref_params = items.get("ref")
@@ -497,7 +504,10 @@ class PostTrainRun:
             elif stage == "ppo":
                 finished = self._ppo(stop)
             else:
-                _STAGE_HOOKS[stage](self)
+                hook = _STAGE_HOOKS.get(stage) or {
+                    "rm": learned_rewards.rm_stage, "prm": learned_rewards.prm_stage
+                }[stage]  # fmt: skip
+                hook(self)
                 finished = True
             if not finished:
                 logging.info("Stopping after step %d (config.stop_after_step).", stop)
@@ -534,7 +544,6 @@ class PostTrainRun:
             logging.info("Saved the post-trained model to %s", out)
 
     def _enter_stage(self, stage: str) -> None:
-        prev = self.meta["stage"]
         self.meta["stage"] = stage
         self.meta["stage_step"] = 0
         self.meta["stage_done"] = False
@@ -542,7 +551,9 @@ class PostTrainRun:
         if stage == "sft" and self.state is None:
             self.state = sft_lib.init_sft_state(self.init_params, self.sft_tx)
         elif stage == "ppo":
-            params = self.state.params if prev in ("sft", "sft_continued") else self.init_params
+            # After SFT (and any rm/prm stage) the state is still SFT's; a run without
+            # SFT starts from the initial (or Hugging Face) weights.
+            params = self.state.params if hasattr(self.state, "params") else self.init_params
             # The reference is a copy: the policy's buffers are donated to each update.
             self.ref_params = jax.tree.map(jnp.copy, params)
             value = self._value_init(params) if self.ppo_cfg.uses_critic else None
@@ -679,8 +690,13 @@ class PostTrainRun:
                 loss_weight=pb.loss_weight * weight, group_id=pb.group_id,
                 truncated=out.truncated, step_token_id=self.tokenizer.step_id,
             )  # fmt: skip
-            batch = self.trainer.advantages(self.state, self.trainer.score(
-                self.state, self.ref_params, batch))  # fmt: skip
+            batch = self.trainer.score(self.state, self.ref_params, batch)
+            learned_metrics, confidence = {}, None
+            if self.learned.active:
+                batch, learned_metrics, confidence = self.learned.apply(
+                    batch, names, success, valid
+                )
+            batch = self.trainer.advantages(self.state, batch)
             self.state, update_metrics = self.trainer.update(self.state, batch)
             adv = np.asarray(batch.advantages)
             mask = np.asarray(batch.response_mask)
@@ -689,7 +705,7 @@ class PostTrainRun:
             self.loader.update(Feedback(
                 domain_index=pb.domain_index[keep], success=success[keep],
                 reward=rewards[keep], abs_advantage=abs_adv[keep],
-                difficulty=pb.difficulty[keep],
+                difficulty=pb.difficulty[keep], confidence=confidence,
             ))  # fmt: skip
             update_metrics = jax.device_get(update_metrics)
             self.profiler.stop(step, self.state)
@@ -698,6 +714,7 @@ class PostTrainRun:
             self.meta["stage_step"] += 1
             metrics = {f"ppo/{k}": v for k, v in update_metrics.items()}
             metrics.update(self._rollout_metrics(pb, rewards, success, valid, out))
+            metrics.update(learned_metrics)
             metrics.update(self.loader.metrics())
             metrics.update({
                 "time/generate_s": t_gen - t0, "time/verify_s": t_ver - t_gen,
@@ -796,6 +813,15 @@ class PostTrainRun:
                 record = {"step": self.meta["step"], "eval": which, **s}
                 f.write(json.dumps(to_json_value(record)) + "\n")
 
+    def advance_step(self) -> None:
+        """Counts one step of the current stage (stage hooks call it per optimiser step)."""
+        self.meta["step"] += 1
+        self.meta["stage_step"] += 1
+
+    def write_stage_metrics(self, metrics: Mapping[str, Any], stage: str) -> None:
+        """One metrics line at the current global step."""
+        self._write(self.meta["step"], metrics, stage)
+
     def _write(self, step: int, metrics: Mapping[str, Any], stage: str) -> None:
         self.writer.write(step, {k: to_json_value(v) for k, v in metrics.items()}, stage=stage)
 
@@ -831,6 +857,8 @@ class PostTrainRun:
             },
             "wall_s": float(self.meta["elapsed_s"]),
         }
+        if self.meta.get("reward_models"):
+            summary["reward_models"] = self.meta["reward_models"]
         with open(os.path.join(self.workdir, SUMMARY_FILE), "w", encoding="utf-8") as f:
             json.dump(to_json_value(summary), f, indent=2, sort_keys=True)
         return summary
@@ -861,17 +889,32 @@ def _truncate_jsonl(path: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def evaluate_checkpoint(workdir: str, *, adapter: str | None = None) -> dict[str, Any]:
-    """Evaluates the policy in ``workdir``'s latest checkpoint with the run's own eval config.
+@dataclasses.dataclass(frozen=True)
+class RestoredPolicy:
+    """A run's trained policy, read back from its latest checkpoint."""
 
-    ``adapter``: a LoRA adapter name (``workdir/adapters/NAME``) or an adapter directory,
-    evaluated over the run's frozen base (over its trained policy if the run trained
-    full weights) in place of the checkpoint's own adapter.
-    """
+    config: ml_collections.ConfigDict
+    model_cfg: Any
+    tokenizer: Tokenizer
+    graph: Any  # the policy's nnx graph definition
+    params: Any  # the full policy state (LoRA adapters merged with the base)
+    trained: Any  # what trained: the adapters under LoRA, else the same as ``params``
+    base: Any  # the frozen base under LoRA, else None
+    step: int
+    stage: str
+
+    def sampler(self, **kwargs) -> Sampler:
+        """A ``Sampler`` for this policy with the run's tokenizer and prompt buckets."""
+        kwargs.setdefault("buckets", tuple(self.config.rollout.get("buckets", DEFAULT_BUCKETS)))
+        return Sampler(self.graph, self.model_cfg, eos_id=self.tokenizer.eos_id,
+                       pad_id=self.tokenizer.pad_id, **kwargs)  # fmt: skip
+
+
+def restore_policy(workdir: str) -> RestoredPolicy:
+    """The policy of ``workdir``'s latest checkpoint (read only: the run is not touched)."""
     with open(os.path.join(workdir, RUN_CONFIG_FILE), encoding="utf-8") as f:
         config = ml_collections.ConfigDict(json.load(f))
     config.overwrite = False
-    domains = make_domains(config)
     mcfg = model_config(config)
     tokenizer = make_tokenizer(config, mcfg)
     graph, params, base = build_policy(config, mcfg, policy_init_key(config))
@@ -884,7 +927,7 @@ def evaluate_checkpoint(workdir: str, *, adapter: str | None = None) -> dict[str
         if "sft" in meta["items"]:
             tx = sft_lib.make_optimizer(config.sft.learning_rate, config.sft.warmup_steps,
                                         config.sft.weight_decay)  # fmt: skip
-            items, _ = ckpt.restore(step, {"sft": sft_lib.init_sft_state(params, tx)})
+            items, _ = ckpt.restore(step, {"sft": sft_lib.init_sft_state(params, tx)}, only=True)
             policy = items["sft"].params
         else:
             cfg = ppo_config(config)
@@ -893,22 +936,33 @@ def evaluate_checkpoint(workdir: str, *, adapter: str | None = None) -> dict[str
                 value = create_model(lambda rngs: ValueModel(mcfg, rngs=rngs),
                                      jax.random.key(1))[1]  # fmt: skip
             template = init_train_state(cfg, params, value, jax.random.key_data(jax.random.key(0)))
-            targets = {"ppo": template}
-            if "ref" in meta["items"]:
-                targets["ref"] = params
-            items, _ = ckpt.restore(step, targets)
+            items, _ = ckpt.restore(step, {"ppo": template}, only=True)
             policy = items["ppo"].policy
     finally:
         ckpt.close()
+    return RestoredPolicy(config, mcfg, tokenizer, graph, full_policy(policy, base), policy,
+                          base, step, meta["stage"])  # fmt: skip
+
+
+def evaluate_checkpoint(workdir: str, *, adapter: str | None = None) -> dict[str, Any]:
+    """Evaluates the policy in ``workdir``'s latest checkpoint with the run's own eval config.
+
+    ``adapter``: a LoRA adapter name (``workdir/adapters/NAME``) or an adapter directory,
+    evaluated over the run's frozen base (over its trained policy if the run trained
+    full weights) in place of the checkpoint's own adapter.
+    """
+    run = restore_policy(workdir)
+    config, mcfg = run.config, run.model_cfg
+    graph, params = run.graph, run.params
     if adapter is not None:
         from rlpt.interop.checkpoint import load_adapter
 
         _, graph, adapter_state = load_adapter(workdir, adapter, mcfg)
-        base = base if base is not None else policy
-        policy = adapter_state
-    results = evaluate_policy(config, domains, mcfg, tokenizer, graph,
-                              full_policy(policy, base), step)  # fmt: skip
-    return {"step": step, "stage": meta["stage"], "adapter": adapter, "k": config.eval.k,
+        base = run.base if run.base is not None else run.trained
+        params = full_policy(adapter_state, base)
+    results = evaluate_policy(config, make_domains(config), mcfg, run.tokenizer, graph,
+                              params, run.step)  # fmt: skip
+    return {"step": run.step, "stage": run.stage, "adapter": adapter, "k": config.eval.k,
             "results": results, **flatten_results(results, config.eval.k)}  # fmt: skip
 
 
@@ -956,6 +1010,8 @@ __all__ = [
     "full_policy",
     "lora_config",
     "register_stage",
+    "restore_policy",
+    "RestoredPolicy",
     "run_identity",
     "train_and_evaluate",
 ]

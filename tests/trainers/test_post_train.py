@@ -158,8 +158,8 @@ def test_a_workdir_holding_another_config_is_refused_unless_overwritten(tmp_path
     assert [r["step"] for r in records] == [1]
 
 
-def test_unregistered_reward_model_weight_is_an_error(tmp_path):
-    with pytest.raises(ValueError, match="reward_model"):
+def test_learned_reward_weight_without_its_stage_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="rewards.reward_model .* no 'rm' stage"):
         train.train_and_evaluate(_demo_config(**{"rewards.reward_model": 1.0}), str(tmp_path))
 
 
