@@ -57,7 +57,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sft.learning_rate = 1e-3
     config.sft.warmup_steps = 20
     config.sft.weight_decay = 0.0
-    config.sft.token_budget = 60_000  # completion tokens: the fixed warm-start rule
+    config.sft.token_budget = 150_000  # completion tokens: the fixed warm-start rule
     config.sft.heldout_items = 64
     config.sft.log_every = 10
     config.sft.continued_wall_s = 0.0  # only the sft_continued control stage reads it
@@ -68,7 +68,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rollout.max_new_tokens = 40
     config.rollout.temperature = 1.0
     config.rollout.buckets = (16, 32, 64)
-    config.ppo_steps = 120
+    config.ppo_steps = 300
 
     config.ppo = ml_collections.ConfigDict()
     config.ppo.estimator = "grpo"  # "gae" trains the value model (critic) as well
@@ -76,11 +76,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.ppo.num_minibatches = 2
     # Adam's first steps move every weight by about the learning rate; a warmup keeps
     # the policy near the reference until the moment estimates settle.
-    config.ppo.learning_rate = 1e-4
+    config.ppo.learning_rate = 2e-4
     config.ppo.value_learning_rate = 1e-4
     config.ppo.schedule = "warmup_cosine"
     config.ppo.warmup_steps = 10
-    config.ppo.total_steps = 240  # optimiser steps: ppo_steps * epochs * num_minibatches
+    config.ppo.total_steps = 600  # optimiser steps: ppo_steps * epochs * num_minibatches
     config.ppo.end_lr_fraction = 0.3
     config.ppo.kl_coef = 0.05
     config.ppo.kl_placement = "loss"
