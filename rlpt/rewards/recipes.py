@@ -80,11 +80,14 @@ def train_sft(
 ):  # fmt: skip
     """Supervised warm start on demonstrations: ``(graphdef, params, last metrics)``.
 
-    Rows are padded to ``pad_to`` (default the model's context)."""
+    ``domain=None`` takes each task's demonstration from its own domain (``task.domain``),
+    for a warm start on several domains. Rows are padded to ``pad_to`` (default the
+    model's context)."""
+    from rlpt.tasks import get_domain
+
     graphdef, init = create_model(lambda r: CausalLM(config, rngs=r), jax.random.key(seed))
-    data = sft_examples(
-        tokenizer, tasks, [domain.demonstration(t) for t in tasks], pad_to or config.max_seq_len
-    )
+    demos = [(domain or get_domain(t.domain)).demonstration(t) for t in tasks]
+    data = sft_examples(tokenizer, tasks, demos, pad_to or config.max_seq_len)
     trainer = sft_trainer(TrainConfig(learning_rate=learning_rate, warmup_steps=20), graphdef)
     state = trainer.init(init if params is None else params)
     metrics: dict[str, Any] = {}
@@ -102,12 +105,25 @@ def _pair_batch(arrays, pick) -> dict[str, np.ndarray]:
     }  # fmt: skip
 
 
+def with_trunk(params, policy_params):
+    """A scalar-head model's parameters with the trunk replaced by a copy of a policy's."""
+    params["trunk"] = jax.tree.map(jax.numpy.copy, policy_params["trunk"])
+    return params
+
+
 def train_reward_model(
     config: ModelConfig, pairs: Sequence[PreferencePair], tokenizer, *, steps: int,
     batch_size: int = 64, learning_rate: float = 1e-3, margin: float = 0.0, seed: int = 0,
+    policy=None,
 ):  # fmt: skip
-    """Bradley-Terry training on ``pairs``: ``(graphdef, params, last metrics)``."""
+    """Bradley-Terry training on ``pairs``: ``(graphdef, params, last metrics)``.
+
+    ``policy``: a ``CausalLM`` state whose trunk the reward model starts from (the
+    usual practice: an RM initialised from the supervised policy already reads the
+    domain's language, and learns the correctness judgement much faster)."""
     graphdef, params = create_model(lambda r: RewardModel(config, rngs=r), jax.random.key(seed))
+    if policy is not None:
+        params = with_trunk(params, policy)
     arrays, _ = encode_pairs(pairs, tokenizer, config.max_seq_len, pad_to=config.max_seq_len)
     trainer = rm_trainer(
         TrainConfig(learning_rate=learning_rate, warmup_steps=50), graphdef, margin=margin
@@ -138,13 +154,17 @@ def rm_pairwise_accuracy(
 
 def train_prm(
     config: ModelConfig, examples: dict[str, np.ndarray], tokenizer, *, steps: int,
-    batch_size: int = 64, learning_rate: float = 1e-3, seed: int = 0,
+    batch_size: int = 64, learning_rate: float = 1e-3, seed: int = 0, policy=None,
 ):  # fmt: skip
-    """BCE training at step separators: ``(graphdef, params, last metrics)``."""
+    """BCE training at step separators: ``(graphdef, params, last metrics)``.
+
+    ``policy``: a ``CausalLM`` state whose trunk the PRM starts from."""
     step_id = tokenizer.step_id
     graphdef, params = create_model(
         lambda r: ProcessRewardModel(config, step_id, rngs=r), jax.random.key(seed)
     )
+    if policy is not None:
+        params = with_trunk(params, policy)
     trainer = prm_trainer(TrainConfig(learning_rate=learning_rate, warmup_steps=50), graphdef)
     state = trainer.init(params)
     metrics: dict[str, Any] = {}
@@ -187,23 +207,32 @@ def _log_every(trainer_metrics: dict, step: int, what: str, every: int = 50) -> 
         )
 
 
-def reward_model_figures(seed: int = 0, steps: int = 400) -> dict[str, Any]:
+def reward_model_figures(seed: int = 0, steps: int = 600, sft_steps: int = 600) -> dict[str, Any]:
     """Train an RM on correctness-only pairs of ``arithmetic`` and ``stepwise_math`` (levels
-    1-2) and measure held-out pairwise accuracy per domain."""
+    1-2), its trunk warm-started by ``sft_steps`` of supervised training on the same
+    domains' demonstrations, and measure held-out pairwise accuracy per domain."""
     from rlpt.tasks import get_domain
 
     tok = ByteTokenizer()
     config = small_config(d_model=96, n_layers=3, max_seq_len=64)
     train_pairs: list[PreferencePair] = []
+    sft_tasks: list[Task] = []
     heldout: dict[str, list[PreferencePair]] = {}
     for name in ("arithmetic", "stepwise_math"):
         dom = get_domain(name)
         for level in (1, 2):
-            train_pairs += correctness_pairs(dom, dom.tasks("train", 1500, level, seed=seed), seed)
+            tasks = dom.tasks("train", 1500, level, seed=seed)
+            sft_tasks += tasks
+            train_pairs += correctness_pairs(dom, tasks, seed)
             held = correctness_pairs(dom, dom.tasks("heldout", 100, level, seed=seed), seed + 1)
             heldout.setdefault(name, []).extend(held)
     start = time.time()
-    graph, params, metrics = train_reward_model(config, train_pairs, tok, steps=steps, seed=seed)
+    policy = None
+    if sft_steps:
+        _, policy, _ = train_sft(config, None, sft_tasks, tok, steps=sft_steps, seed=seed)
+    graph, params, metrics = train_reward_model(
+        config, train_pairs, tok, steps=steps, seed=seed, policy=policy
+    )
     return {
         "rm_pairwise_accuracy": {
             name: rm_pairwise_accuracy(graph, params, pairs, tok, config.max_seq_len)
@@ -211,12 +240,13 @@ def reward_model_figures(seed: int = 0, steps: int = 400) -> dict[str, Any]:
         },
         "rm_train_accuracy_last_batch": float(metrics["accuracy"]),
         "rm_train_pairs": len(train_pairs),
+        "rm_sft_steps": sft_steps,
         "time/rm_s": time.time() - start,
     }
 
 
 def process_reward_figures(
-    seed: int = 0, level: int = 2, sft_steps: int = 300, prm_steps: int = 400,
+    seed: int = 0, level: int = 2, sft_steps: int = 1200, prm_steps: int = 400,
     n_label_tasks: int = 192, n_continuations: int = 4, best_of: int = 8,
 ) -> dict[str, Any]:  # fmt: skip
     """Warm-start a policy, label its samples (and planted-error variants of demonstrations)
@@ -254,7 +284,9 @@ def process_reward_figures(
         tok, [label_tasks[i].prompt for i in keep], [completions[i] for i in keep],
         [labels.soft[i] for i in keep], max_len=config.max_seq_len, pad_to=config.max_seq_len,
     )  # fmt: skip
-    prm_graph, prm_params, _ = train_prm(config, examples, tok, steps=prm_steps, seed=seed)
+    prm_graph, prm_params, _ = train_prm(
+        config, examples, tok, steps=prm_steps, seed=seed, policy=policy
+    )
 
     held = dom.tasks("heldout", 150, level, seed=seed)
     texts, step_labels = planted_error_solutions(dom, held, seed=seed + 7)
@@ -290,6 +322,7 @@ def process_reward_figures(
         "prm_best_of_n": dict(bon, n=best_of),
         "prm_label_samples": labels.samples,
         "prm_train_examples": len(keep),
+        "prm_sft_steps": sft_steps,
         "time/prm_s": time.time() - start,
     }
 
@@ -300,15 +333,22 @@ def main(argv: Sequence[str]) -> None:
     parts = _PARTS.value.split(",")
     result: dict[str, Any] = {}
     if "rm" in parts:
-        result.update(reward_model_figures(_SEED.value))
+        result.update(reward_model_figures(_SEED.value, _RM_STEPS.value, _RM_SFT_STEPS.value))
         log.info("%s", result)
     if "prm" in parts:
-        result.update(process_reward_figures(_SEED.value))
+        result.update(process_reward_figures(_SEED.value, sft_steps=_PRM_SFT_STEPS.value))
     print(json.dumps(result))
 
 
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 _PARTS = flags.DEFINE_string("parts", "rm,prm", "Comma-separated: rm, prm.")
+_RM_STEPS = flags.DEFINE_integer("rm_steps", 600, "Bradley-Terry optimiser steps.")
+_RM_SFT_STEPS = flags.DEFINE_integer(
+    "rm_sft_steps", 600, "Supervised steps warm-starting the reward model's trunk (0: none)."
+)
+_PRM_SFT_STEPS = flags.DEFINE_integer(
+    "prm_sft_steps", 1200, "Supervised steps of the policy that labels steps and seeds the PRM."
+)
 
 if __name__ == "__main__":
     app.run(main)
