@@ -290,3 +290,51 @@ class StepProfiler:
 
             jax.profiler.stop_trace()
             self._active = False
+
+
+def matmul_peak_flops(dtype: str = "float32", sizes=(512, 1024)) -> float:
+    """The best jitted square-matmul rate of the default device, in FLOP/s.
+
+    The denominator of ``time/mfu``: on a CPU there is no datasheet peak, so this
+    measured rate stands in for it (on accelerators it is close to the datasheet's).
+    For ``bfloat16`` the inputs are bfloat16 with float32 accumulation, the way
+    rlpt's layers compute.
+    """
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    best = 0.0
+    for n in sizes:
+        key_a, key_b = jax.random.split(jax.random.key(n))
+        a = jax.random.normal(key_a, (n, n), jnp.float32).astype(dtype)
+        b = jax.random.normal(key_b, (n, n), jnp.float32).astype(dtype)
+        jax.block_until_ready(dot(a, b))
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            jax.block_until_ready(dot(a, b))
+            times.append(time.perf_counter() - start)
+        best = max(best, 2 * n**3 / min(times))
+    return best
+
+
+def rl_step_model_flops(
+    n_params: int, batch: int, prompt_len: int, response_len: int, generated: int, *,
+    epochs: int = 1, critic: bool = False,
+) -> float:  # fmt: skip
+    """Model FLOPs of one RL step (the 2N-per-token forward, 6N-per-token training rule).
+
+    Generation: a forward over prompts and every generated token. Scoring: the
+    policy and the reference (and the critic) forward over the padded batch.
+    Update: forward and backward of the policy (and critic) per epoch. Attention's
+    quadratic term is left out: at these lengths it is small beside the matmuls.
+    """
+    tokens = batch * (prompt_len + response_len)
+    models = 2 if critic else 1
+    gen = 2 * n_params * (batch * prompt_len + generated)
+    score = 2 * n_params * tokens * (2 + (1 if critic else 0))
+    update = 6 * n_params * tokens * epochs * models
+    return float(gen + score + update)

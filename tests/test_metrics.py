@@ -14,6 +14,8 @@ from rlpt.metrics import (
     MetricWriter,
     Progress,
     StepProfiler,
+    matmul_peak_flops,
+    rl_step_model_flops,
     to_json_value,
 )
 
@@ -239,3 +241,18 @@ def test_step_profiler_traces_only_the_chosen_steps(tmp_path):
     traces = glob.glob(str(tmp_path / "prof" / "**" / "*.xplane.pb"), recursive=True)
     assert len(traces) == 1
     assert not StepProfiler((), str(tmp_path / "none")).steps
+
+
+def test_rl_step_model_flops_by_hand():
+    # 10 params, batch 2, prompt 3, response 4, 5 generated tokens, 1 epoch, no critic:
+    # generate 2*10*(2*3 + 5) = 220; score (policy + reference) 2 * 2*10*14 = 560;
+    # update 6*10*14 = 840.
+    assert rl_step_model_flops(10, 2, 3, 4, 5) == 220 + 560 + 840
+    # A critic adds one scoring forward and a second trained model; epochs multiply updates.
+    assert rl_step_model_flops(10, 2, 3, 4, 5, epochs=2, critic=True) == (
+        220 + 3 * 280 + 2 * 2 * 840
+    )
+
+
+def test_matmul_peak_is_a_positive_rate():
+    assert matmul_peak_flops(sizes=(64,)) > 0.0

@@ -66,6 +66,8 @@ from rlpt.metrics import (
     MetricWriter,
     Progress,
     StepProfiler,
+    matmul_peak_flops,
+    rl_step_model_flops,
     to_json_value,
 )
 from rlpt.models import CausalLM, ValueModel, create_model, get_preset
@@ -334,6 +336,11 @@ class PostTrainRun:
         ] if examples is None else examples[: s.heldout_items]  # fmt: skip
         self.sft_heldout = sft_lib.heldout_batch(self.tokenizer, heldout_pairs, s.max_len)
 
+        self.n_policy_params = sum(
+            int(np.prod(x.shape)) for x in jax.tree.leaves(full_policy(self.init_params,
+                                                                      self.base_params))
+        )  # fmt: skip
+        self._peak: float | None = None
         self.value_graph = None
         if self.ppo_cfg.uses_critic:
             self.value_graph, _ = create_model(
@@ -405,6 +412,19 @@ class PostTrainRun:
             group_size=c.rollout.group_size, buckets=self.sampler.buckets, seed=c.seed,
             shard_index=0, shard_count=1,
         )  # fmt: skip
+
+    def _peak_flops(self) -> float:
+        """FLOP/s that ``time/mfu`` divides by: ``logging.peak_flops`` (per device,
+        times the devices) if set, else a matmul rate measured once on this device."""
+        if self._peak is None:
+            per_device = _plain(self.config.get("logging", {})).get("peak_flops") or 0.0
+            self._peak = (
+                per_device * jax.device_count() if per_device
+                # Host "devices" of the CPU backend share the same cores: count them once.
+                else matmul_peak_flops()
+                * (1 if jax.default_backend() == "cpu" else jax.local_device_count())
+            )  # fmt: skip
+        return self._peak
 
     def _metric_writer(self) -> MetricWriter:
         log = _plain(self.config.get("logging", {}))
@@ -697,6 +717,8 @@ class PostTrainRun:
                     batch, names, success, valid
                 )
             batch = self.trainer.advantages(self.state, batch)
+            jax.block_until_ready(batch.advantages)
+            t_score = time.perf_counter()
             self.state, update_metrics = self.trainer.update(self.state, batch)
             adv = np.asarray(batch.advantages)
             mask = np.asarray(batch.response_mask)
@@ -716,10 +738,18 @@ class PostTrainRun:
             metrics.update(self._rollout_metrics(pb, rewards, success, valid, out))
             metrics.update(learned_metrics)
             metrics.update(self.loader.metrics())
+            flops = rl_step_model_flops(
+                self.n_policy_params, len(ids), prompt_tokens.shape[1], width,
+                int(out.lengths.sum()), epochs=self.ppo_cfg.epochs,
+                critic=self.ppo_cfg.uses_critic,
+            )  # fmt: skip
             metrics.update({
                 "time/generate_s": t_gen - t0, "time/verify_s": t_ver - t_gen,
-                "time/update_s": t_upd - t_ver, "time/step_s": t_upd - t0,
+                "time/score_s": t_score - t_ver, "time/update_s": t_upd - t_score,
+                "time/step_s": t_upd - t0,
                 "time/tokens_per_s": float(out.lengths.sum()) / (t_upd - t0),
+                "time/model_flops_per_s": flops / (t_upd - t0),
+                "time/mfu": flops / (t_upd - t0) / self._peak_flops(),
             })  # fmt: skip
             last = self.meta["stage_step"] == total
             if last:

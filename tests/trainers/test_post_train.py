@@ -75,8 +75,10 @@ def test_metrics_follow_the_conventions(reference_run):
     ppo_lines = [r for r in records if r["stage"] == "ppo"]
     for r in ppo_lines:
         for key in ("ppo/kl", "ppo/entropy", "ppo/sandbox_failures", "ppo/nonfinite_rewards",
-                    "time/step_s", "time/generate_s"):  # fmt: skip
+                    "time/step_s", "time/generate_s", "time/score_s", "time/update_s",
+                    "time/mfu"):  # fmt: skip
             assert key in r, key
+        assert 0.0 < r["time/mfu"] < 1.0
         for domain in ("arithmetic", "stepwise_math", "program_synthesis"):
             assert f"curriculum/{domain}/weight" in r
             assert f"curriculum/{domain}/difficulty" in r
