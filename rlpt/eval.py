@@ -191,6 +191,13 @@ def make_eval_sets(
     return sets
 
 
+def _spread(items: list, n: int) -> list:
+    """``n`` items evenly spaced through ``items`` (all of them if there are fewer)."""
+    if n >= len(items):
+        return items
+    return [items[i] for i in np.linspace(0, len(items) - 1, n).round().astype(int)]
+
+
 class Evaluator:
     """Greedy pass@1 and sampled pass@k per domain and split, plus logged samples."""
 
@@ -236,7 +243,9 @@ class Evaluator:
         ``sandbox_failures`` and, with ``n_samples >= k``, ``pass@K``, ``pass@K_se``
         and ``sample_pass@1``. ``samples`` holds the first ``log_samples`` greedy
         completions per domain and split with their rewards and outcomes.
-        ``max_items`` evaluates a prefix of each set (the periodic evaluation).
+        ``max_items`` evaluates that many items of each set, evenly spaced through it
+        (the periodic evaluation): sets are ordered by level, so a prefix would see
+        only the easiest levels.
         """
         if n_samples and n_samples < k:
             raise ValueError(f"eval.n_samples ({n_samples}) must be >= eval.k ({k})")
@@ -247,7 +256,7 @@ class Evaluator:
         for s, split in enumerate(SPLITS):
             results[split] = {}
             for d, (name, tasks) in enumerate(sorted(eval_sets.get(split, {}).items())):
-                tasks = list(tasks)[:max_items] if max_items else list(tasks)
+                tasks = _spread(list(tasks), max_items) if max_items else list(tasks)
                 if not tasks:
                     continue
                 sub = jax.random.fold_in(jax.random.fold_in(key, s), d)

@@ -114,3 +114,12 @@ def test_flatten_and_table():
     assert flat["eval/arithmetic/ood/pass@1"] == 0.25
     table = ev.format_table(results, 4)
     assert "arithmetic" in table and "0.500±0.100" in table
+
+
+def test_periodic_subset_is_spread_over_the_levels():
+    from rlpt.eval import _spread
+
+    items = [f"level1-{i}" for i in range(5)] + [f"level2-{i}" for i in range(5)]
+    picked = _spread(items, 4)
+    assert picked == ["level1-0", "level1-3", "level2-1", "level2-4"]  # indices 0, 3, 6, 9
+    assert _spread(items, 20) == items and _spread(items, 1) == ["level1-0"]
