@@ -262,7 +262,10 @@ def process_reward_figures(
         config, dom, dom.tasks("train", 3000, level, seed=seed + 1), tok, steps=sft_steps,
         seed=seed,
     )  # fmt: skip
-    sampler = Sampler(graph, config, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    # Step prefixes make prompts of up to ~50 tokens: buckets that leave room for max_new.
+    sampler = Sampler(
+        graph, config, eos_id=tok.eos_id, pad_id=tok.pad_id, buckets=(16, 32, 48, 56)
+    )
     tasks = dom.tasks("train", n_label_tasks, level, seed=seed + 2)
     sampled = [s[0] for s in sample_solutions(
         sampler, policy, tasks, tok, jax.random.key(seed), n=1, max_new_tokens=max_new
