@@ -102,11 +102,13 @@ _log("restored")
 gather = lambda tree: [np.asarray(x).tolist() for x in jax.tree.leaves(
     multihost_utils.process_allgather(tree, tiled=True))]  # fmt: skip
 params = gather(state.policy)
+value_params = gather(state.value)
 restored_params = gather(restored.policy)
 _log("gathered")
 if process_id == 0:
     with open(out_path, "w") as f:
-        json.dump({"metrics": metrics, "params": params, "restored": restored_params}, f)
+        json.dump({"metrics": metrics, "params": params, "value": value_params,
+                   "restored": restored_params}, f)  # fmt: skip
 if num_processes > 1:
     # Leave together, then exit without jax.distributed.shutdown(), which hung
     # here with the gloo CPU collectives once both processes were done.

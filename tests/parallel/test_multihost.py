@@ -55,10 +55,19 @@ def test_two_processes_match_one_process_and_share_checkpoints(tmp_path):
         assert proc.returncode == 0, out[-3000:]
     one = json.loads((tmp_path / "single.json").read_text())
     two = json.loads((tmp_path / "multi.json").read_text())
-    for a, b in zip(one["params"], two["params"]):
+    for a, b in zip(one["params"] + one["value"], two["params"] + two["value"], strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
     for key, value in one["metrics"][-1].items():
-        np.testing.assert_allclose(two["metrics"][-1][key], value, atol=1e-4, rtol=1e-4)
+        if key.endswith("_frac"):
+            # A clip fraction is a count: one token whose ratio (or value change) sits
+            # on the clip boundary can fall either side under the two-process reduction
+            # order, moving the average over 2 epochs x 2 minibatches by 1/(4 x its
+            # minibatch's tokens). The parameters above are held to float tolerance.
+            assert abs(two["metrics"][-1][key] - value) <= 1.0 / 40, (key, value)
+            continue
+        np.testing.assert_allclose(
+            two["metrics"][-1][key], value, atol=1e-4, rtol=1e-4, err_msg=key
+        )
     # The checkpoint written by both processes restores exactly.
     for a, b in zip(two["params"], two["restored"]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
