@@ -263,9 +263,7 @@ def process_reward_figures(
         seed=seed,
     )  # fmt: skip
     # Step prefixes make prompts of up to ~50 tokens: buckets that leave room for max_new.
-    sampler = Sampler(
-        graph, config, eos_id=tok.eos_id, pad_id=tok.pad_id, buckets=(16, 32, 48, 56)
-    )
+    sampler = Sampler(graph, config, eos_id=tok.eos_id, pad_id=tok.pad_id, buckets=(16, 32, 48, 56))
     tasks = dom.tasks("train", n_label_tasks, level, seed=seed + 2)
     sampled = [s[0] for s in sample_solutions(
         sampler, policy, tasks, tok, jax.random.key(seed), n=1, max_new_tokens=max_new
@@ -339,7 +337,9 @@ def main(argv: Sequence[str]) -> None:
         result.update(reward_model_figures(_SEED.value, _RM_STEPS.value, _RM_SFT_STEPS.value))
         log.info("%s", result)
     if "prm" in parts:
-        result.update(process_reward_figures(_SEED.value, sft_steps=_PRM_SFT_STEPS.value))
+        result.update(process_reward_figures(
+            _SEED.value, sft_steps=_PRM_SFT_STEPS.value, n_label_tasks=_PRM_LABEL_TASKS.value
+        ))  # fmt: skip
     print(json.dumps(result))
 
 
@@ -348,6 +348,9 @@ _PARTS = flags.DEFINE_string("parts", "rm,prm", "Comma-separated: rm, prm.")
 _RM_STEPS = flags.DEFINE_integer("rm_steps", 600, "Bradley-Terry optimiser steps.")
 _RM_SFT_STEPS = flags.DEFINE_integer(
     "rm_sft_steps", 600, "Supervised steps warm-starting the reward model's trunk (0: none)."
+)
+_PRM_LABEL_TASKS = flags.DEFINE_integer(
+    "prm_label_tasks", 192, "Train problems whose solutions (sampled and planted) are labelled."
 )
 _PRM_SFT_STEPS = flags.DEFINE_integer(
     "prm_sft_steps", 1200, "Supervised steps of the policy that labels steps and seeds the PRM."
