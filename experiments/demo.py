@@ -155,6 +155,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.logging = ml_collections.ConfigDict()
     config.logging.tensorboard = True  # event files in DIR/tensorboard
     config.logging.wandb_project = ""  # a Weights & Biases project, if wandb is installed
+    config.logging.plots = True  # learning-curve PNGs in DIR/plots at the end (rlpt.plot)
     config.logging.progress_bar = config_dict.placeholder(bool)  # None: only on a terminal
     # Per-device peak FLOP/s for time/mfu (e.g. 9.9e14 for an H100's bf16); None: measured.
     config.logging.peak_flops = config_dict.placeholder(float)

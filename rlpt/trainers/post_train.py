@@ -536,7 +536,23 @@ class PostTrainRun:
             self.meta["stage_index"] += 1
         self.ckpt.wait()
         self._save_model_outputs()
-        return self._summary()
+        summary = self._summary()
+        self._write_plots()
+        return summary
+
+    def _write_plots(self) -> None:
+        """Learning curves as ``DIR/plots/*.png`` (``rlpt.plot``); a plotting failure
+        is logged, never fatal to a finished run."""
+        if not _plain(self.config.get("logging", {})).get("plots", True):
+            return
+        if jax.process_index() != 0:
+            return
+        from rlpt import plot
+
+        try:
+            plot.write_plots(self.workdir)
+        except Exception as e:  # noqa: BLE001 (any plotting error: the run's results stand)
+            logging.warning("Could not write plots to %s: %s", self.workdir, e)
 
     def _save_model_outputs(self) -> None:
         """The trained adapter as ``DIR/adapters/NAME``; for a Hugging Face model, also an

@@ -90,13 +90,16 @@ def test_metrics_follow_the_conventions(reference_run):
             assert f"eval/{domain}/ood/pass@1" in line
 
 
-def test_tensorboard_and_profile_are_written(reference_run):
+def test_tensorboard_profile_and_plots_are_written(reference_run):
     import glob
 
     workdir, _ = reference_run
     assert glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
     traces = glob.glob(os.path.join(workdir, "profile", "**", "*.xplane.pb"), recursive=True)
     assert len(traces) == 1
+    # The run ends by drawing its learning curves.
+    for name in ("accuracy", "kl", "curriculum_weights"):
+        assert os.path.getsize(os.path.join(workdir, "plots", f"{name}.png")) > 0
 
 
 def test_summary_has_the_conventional_shape(reference_run):
