@@ -38,6 +38,7 @@ from rlpt.rewards.train import (
     sequence_scores,
     sft_trainer,
     step_logits,
+    with_trunk,
 )
 from rlpt.sampling import Sampler, SamplingParams
 from rlpt.tasks.base import Task, extract_answer
@@ -104,12 +105,6 @@ def _pair_batch(arrays, pick) -> dict[str, np.ndarray]:
         "rejected": arrays.rejected[pick], "rejected_mask": arrays.rejected_mask[pick],
         "margin": arrays.margin[pick], "weight": np.ones(len(pick), np.float32),
     }  # fmt: skip
-
-
-def with_trunk(params, policy_params):
-    """A scalar-head model's parameters with the trunk replaced by a copy of a policy's."""
-    params["trunk"] = jax.tree.map(jax.numpy.copy, policy_params["trunk"])
-    return params
 
 
 def train_reward_model(

@@ -171,6 +171,14 @@ class Trainer:
         return self._eval(params, batch)
 
 
+def with_trunk(params, policy_params):
+    """A scalar-head model's parameters (reward, process reward) with the trunk replaced
+    by a copy of a policy's: the usual warm start, since a trunk that already reads the
+    domain learns the judgement much faster."""
+    params["trunk"] = jax.tree.map(jnp.copy, policy_params["trunk"])
+    return params
+
+
 def _positions(mask: jax.Array) -> jax.Array:
     return positions_from_mask(mask.astype(bool))
 

@@ -50,6 +50,7 @@ from rlpt.rewards.train import (
     rm_trainer,
     sequence_scores,
     step_logits,
+    with_trunk,
 )
 from rlpt.sampling import SamplingParams
 
@@ -57,12 +58,6 @@ if TYPE_CHECKING:
     from rlpt.trainers.post_train import PostTrainRun
 
 RM_KEY, PRM_KEY, NORM_KEY = "reward_model", "process_reward_model", "reward_norm"
-
-
-def _trunk_from_policy(params, policy_params):
-    """A scalar-head model's state whose trunk is a copy of the policy's."""
-    params["trunk"] = jax.tree.map(jnp.copy, policy_params["trunk"])
-    return params
 
 
 def _batches(n: int, batch_size: int, steps: int, rng: np.random.Generator):
@@ -142,7 +137,7 @@ def rm_stage(run: PostTrainRun) -> None:
     graph, params = create_model(
         lambda rngs: RewardModel(run.model_cfg, rngs=rngs), jax.random.fold_in(run.keys["init"], 11)
     )
-    params = _trunk_from_policy(params, policy)
+    params = with_trunk(params, policy)
     max_len = run.model_cfg.max_seq_len
     train_pairs, heldout = [], {}
     for name in _answer_domains(run, c.domains):
@@ -251,7 +246,7 @@ def prm_stage(run: PostTrainRun) -> None:
         lambda rngs: ProcessRewardModel(run.model_cfg, tok.step_id, rngs=rngs),
         jax.random.fold_in(run.keys["init"], 13),
     )
-    params = _trunk_from_policy(params, policy)
+    params = with_trunk(params, policy)
     trainer = prm_trainer(TrainConfig(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps),
                           graph)  # fmt: skip
     state = trainer.init(params)

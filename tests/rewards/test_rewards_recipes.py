@@ -5,7 +5,8 @@ import numpy as np
 
 from rlpt.models import CausalLM, RewardModel, create_model
 from rlpt.rewards.data import correctness_pairs
-from rlpt.rewards.recipes import small_config, train_reward_model, train_sft, with_trunk
+from rlpt.rewards.recipes import small_config, train_reward_model, train_sft
+from rlpt.rewards.train import with_trunk
 from rlpt.tasks import get_domain
 from rlpt.tokenizers import ByteTokenizer
 
