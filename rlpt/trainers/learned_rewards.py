@@ -163,28 +163,39 @@ def rm_stage(run: PostTrainRun) -> None:
         TrainConfig(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps), graph,
         margin=c.margin,
     )  # fmt: skip
-    state = trainer.init(params)
     rng = np.random.default_rng(seed + 303)
-    for i, pick in enumerate(_batches(len(arrays), c.batch_size, c.steps, rng)):
-        batch = {
+    batches = (
+        {
             "chosen": arrays.chosen[pick], "chosen_mask": arrays.chosen_mask[pick],
             "rejected": arrays.rejected[pick], "rejected_mask": arrays.rejected_mask[pick],
             "margin": arrays.margin[pick], "weight": np.ones(len(pick), np.float32),
-        }  # fmt: skip
-        state, m = trainer.step(state, batch)
-        last = i == c.steps - 1
-        if last or (i + 1) % run.config.sft.log_every == 0:
-            metrics = {f"rm/{k}": v for k, v in jax.device_get(m).items()}
-            if last:
-                metrics.update(_rm_heldout(graph, state.params, heldout, run.tokenizer, max_len))
-            run.advance_step()
-            run.write_stage_metrics(metrics, "rm")
-        else:
-            run.advance_step()
+        }
+        for pick in _batches(len(arrays), c.batch_size, c.steps, rng)
+    )  # fmt: skip
+    state, metrics = _train(
+        run, "rm", trainer, trainer.init(params), batches, c.steps,
+        lambda p: _rm_heldout(graph, p, heldout, run.tokenizer, max_len),
+    )  # fmt: skip
     run.learned.set_rm(graph, state.params)
     run.meta.setdefault("reward_models", {})["rm"] = {
         k.split("/", 1)[1]: float(v) for k, v in metrics.items() if "heldout" in k
     }
+
+
+def _train(run: PostTrainRun, stage: str, trainer, state, batches, steps: int, final):
+    """``steps`` optimiser steps, one global step each; a metrics line every
+    ``sft.log_every`` steps and on the last, which adds ``final(params)``."""
+    metrics: dict[str, Any] = {}
+    for i, batch in enumerate(batches):
+        state, m = trainer.step(state, batch)
+        run.advance_step()
+        last = i == steps - 1
+        if last or (i + 1) % run.config.sft.log_every == 0:
+            metrics = {f"{stage}/{k}": v for k, v in jax.device_get(m).items()}
+            if last:
+                metrics.update(final(state.params))
+            run.write_stage_metrics(metrics, stage)
+    return state, metrics
 
 
 def _rm_heldout(graph, params, heldout, tokenizer, max_len) -> dict[str, float]:
@@ -249,24 +260,21 @@ def prm_stage(run: PostTrainRun) -> None:
     params = with_trunk(params, policy)
     trainer = prm_trainer(TrainConfig(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps),
                           graph)  # fmt: skip
-    state = trainer.init(params)
     rng = np.random.default_rng(seed + 505)
     n = len(examples["tokens"])
-    for i, pick in enumerate(_batches(n, c.batch_size, c.steps, rng)):
-        state, m = trainer.step(state, {k: v[pick] for k, v in examples.items()})
-        last = i == c.steps - 1
-        if last or (i + 1) % run.config.sft.log_every == 0:
-            metrics = {f"prm/{k}": v for k, v in jax.device_get(m).items()}
-            if last:
-                metrics["prm/label_samples"] = labels.samples
-                metrics["prm/train_solutions"] = n
-                metrics["prm/heldout_step_roc_auc"] = _prm_heldout_auc(
-                    graph, state.params, dom, tok, c.heldout_tasks, level, seed, max_len
-                )
-            run.advance_step()
-            run.write_stage_metrics(metrics, "prm")
-        else:
-            run.advance_step()
+    batches = (
+        {k: v[pick] for k, v in examples.items()}
+        for pick in _batches(n, c.batch_size, c.steps, rng)
+    )
+    state, metrics = _train(
+        run, "prm", trainer, trainer.init(params), batches, c.steps,
+        lambda p: {
+            "prm/label_samples": labels.samples, "prm/train_solutions": n,
+            "prm/heldout_step_roc_auc": _prm_heldout_auc(
+                graph, p, dom, tok, c.heldout_tasks, level, seed, max_len
+            ),
+        },
+    )  # fmt: skip
     run.learned.set_prm(graph, state.params)
     run.meta.setdefault("reward_models", {})["prm"] = {
         "heldout_step_roc_auc": float(metrics["prm/heldout_step_roc_auc"])
