@@ -90,6 +90,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.ppo.aggregation = "token_mean"
     config.ppo.max_grad_norm = 1.0
     config.ppo.num_groups = config_dict.placeholder(int)  # None: batch_size / group_size
+    # True (grpo / dr_grpo): each token is credited with the group-normalised rewards of
+    # its own and later steps, so process rewards (rewards.process > 0) act per step.
+    config.ppo.step_advantages = False
 
     config.rewards = ml_collections.ConfigDict()
     config.rewards.outcome = 1.0  # the domain verifier's reward (code: hidden-test pass rate)

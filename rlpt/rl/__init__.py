@@ -1,6 +1,11 @@
 """Pure RL maths over response tokens: GAE, critic-free advantages, losses, KL."""
 
-from rlpt.rl.advantages import grpo_advantages, rloo_advantages, sequence_to_tokens
+from rlpt.rl.advantages import (
+    grpo_advantages,
+    process_group_advantages,
+    rloo_advantages,
+    sequence_to_tokens,
+)
 from rlpt.rl.batch import RolloutBatch, new_rollout_batch
 from rlpt.rl.gae import gae, whiten
 from rlpt.rl.kl import (
@@ -54,6 +59,7 @@ __all__ = [
     "entropy_from_logits",
     "gae",
     "grpo_advantages",
+    "process_group_advantages",
     "init_kl_controller",
     "kl_estimate",
     "kl_loss",

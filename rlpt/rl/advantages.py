@@ -112,6 +112,59 @@ def rloo_advantages(
     return jnp.where((others > 0) & (valid > 0), r - baseline, 0.0)
 
 
+def process_group_advantages(
+    rewards: jax.Array,
+    reward_positions: jax.Array,
+    mask: jax.Array,
+    group_ids: jax.Array,
+    *,
+    num_groups: int,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """Token advantages from per-step rewards: process supervision in GRPO (Shao et al.
+    2024, arXiv:2402.03300, section 4.1.3).
+
+    Every reward entry (a step's process reward, the outcome at the last token) is
+    normalised by the mean (and std) of all reward entries of the valid samples in its
+    group, and a token's advantage is the sum of the normalised rewards at or after it:
+
+        r~ = (r - mean_g) / (std_g + eps)          A_t = Σ_{t' >= t} r~_{t'}
+
+    so a token before a wrong step is credited differently from one after it, which a
+    single sequence-level scalar cannot do. With rewards only at the last token this is
+    ``grpo_advantages`` broadcast to every token.
+
+    Args:
+      rewards: `[B, T]` float per-token rewards (read only at ``reward_positions``).
+      reward_positions: `[B, T]` 1 where a reward entry sits (step ends, the last token).
+      mask: `[B, T]` response mask.
+      group_ids: `[B]` int group of each sample, in [0, num_groups).
+      num_groups: number of groups G (static).
+      scale_by_std: divide by the group std (GRPO) or not (Dr. GRPO).
+      eps: added to the std before dividing.
+      valid: optional `[B]` float mask; excluded samples get 0 and are not counted.
+
+    Returns:
+      `[B, T]` float32 advantages, zero outside ``mask``.
+    """
+    chex.assert_rank([rewards, reward_positions, mask], 2)
+    chex.assert_equal_shape([rewards, reward_positions, mask])
+    valid = _check_group_args("process_group_advantages", rewards[:, 0], group_ids, valid)
+    mask = mask.astype(jnp.float32)
+    at = reward_positions.astype(jnp.float32) * mask * valid[:, None]  # [B, T]
+    r = jnp.where(at > 0, rewards.astype(jnp.float32), 0.0)  # [B, T]
+    count = jnp.maximum(_group_sum(jnp.sum(at, 1), group_ids, num_groups), 1.0)  # [B]
+    mean = _group_sum(jnp.sum(r, 1), group_ids, num_groups) / count  # [B]
+    centred = (r - mean[:, None]) * at  # [B, T]
+    if scale_by_std:
+        var = _group_sum(jnp.sum(jnp.square(centred), 1), group_ids, num_groups) / count
+        centred = centred / (jnp.sqrt(var) + eps)[:, None]
+    to_go = jnp.flip(jnp.cumsum(jnp.flip(centred, 1), 1), 1)  # [B, T]
+    return to_go * mask * valid[:, None]
+
+
 def sequence_to_tokens(seq_values: jax.Array, mask: jax.Array) -> jax.Array:
     """Broadcast a per-sequence value to every real token: out[b, t] = v[b] * mask[b, t].
 

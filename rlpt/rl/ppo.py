@@ -36,7 +36,12 @@ from rlpt.parallel.sharding import (
     state_shardings,
     tree_shardings,
 )
-from rlpt.rl.advantages import grpo_advantages, rloo_advantages, sequence_to_tokens
+from rlpt.rl.advantages import (
+    grpo_advantages,
+    process_group_advantages,
+    rloo_advantages,
+    sequence_to_tokens,
+)
 from rlpt.rl.batch import RolloutBatch
 from rlpt.rl.gae import gae, whiten
 from rlpt.rl.kl import (
@@ -102,6 +107,9 @@ class PPOConfig:
     overlong: str = "none"
     overlong_penalty: float = 1.0
     num_groups: int | None = None  # GRPO/RLOO: groups per batch (default: batch size)
+    # grpo/dr_grpo: credit each token with the group-normalised rewards of the steps at and
+    # after it (process supervision) instead of one scalar per sequence.
+    step_advantages: bool = False
 
     def __post_init__(self):
         _check_choice("estimator", self.estimator, ESTIMATORS)
@@ -110,6 +118,14 @@ class PPOConfig:
         _check_choice("kl_placement", self.kl_placement, KL_PLACEMENTS)
         _check_choice("adaptive_lr", self.adaptive_lr, ADAPTIVE_LR)
         _check_choice("aggregation", self.aggregation, AGGREGATION_MODES)
+        if self.step_advantages and self.estimator not in ("grpo", "dr_grpo"):
+            raise ValueError(
+                f"ppo.step_advantages needs estimator 'grpo' or 'dr_grpo', got {self.estimator!r}"
+            )
+        if self.step_advantages and self.kl_placement == "reward":
+            # A per-token KL reward is not a step reward: it would enter the group statistics
+            # as hundreds of entries per sample. Put the KL in the loss instead.
+            raise ValueError("ppo.step_advantages needs ppo.kl_placement 'loss' or 'none'")
         for name in ("epochs", "num_minibatches", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ppo.{name} must be >= 1, got {getattr(self, name)}")
@@ -253,6 +269,14 @@ def compute_advantages(cfg: PPOConfig, kl: KLControllerState, batch: RolloutBatc
         )
     if cfg.estimator == "gae":
         advantages, returns = gae(rewards, batch.values, mask, gamma=cfg.gamma, lam=cfg.lam)
+    elif cfg.step_advantages:
+        valid = (loss_weight > 0).astype(jnp.float32)
+        positions = jnp.maximum(batch.step_mask * mask, _last_token_one_hot(mask))  # [B, T]
+        advantages = process_group_advantages(
+            rewards, positions, mask, batch.group_id, num_groups=cfg.num_groups or batch.batch_size,
+            scale_by_std=cfg.estimator == "grpo", valid=valid,
+        )  # fmt: skip
+        returns = advantages
     else:
         # Critic-free: one scalar per sequence (its summed reward), compared within its group.
         seq_rewards = jnp.sum(rewards * mask, axis=1)

@@ -4,7 +4,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlpt.rl import grpo_advantages, rloo_advantages, sequence_to_tokens
+from rlpt.rl import (
+    grpo_advantages,
+    process_group_advantages,
+    rloo_advantages,
+    sequence_to_tokens,
+)
 
 # float32 means and stds over a few values of order 1.
 ATOL = 1e-5
@@ -133,3 +138,75 @@ def test_shape_and_dtype_errors_raise():
         rloo_advantages(jnp.zeros(4), jnp.zeros(4, jnp.int32), num_groups=2, valid=jnp.ones(3))
     with pytest.raises(AssertionError, match="batch"):
         sequence_to_tokens(jnp.zeros(3), jnp.ones((2, 5)))
+
+
+def _process_oracle(rewards, positions, mask, ids, valid, scale_by_std, eps):
+    """Plain loops: normalise every reward entry by its group's entries, then sum to go."""
+    b, t = rewards.shape
+    entries = {}
+    for i in range(b):
+        for j in range(t):
+            if valid[i] > 0 and mask[i, j] > 0 and positions[i, j] > 0:
+                entries.setdefault(ids[i], []).append(rewards[i, j])
+    out = np.zeros((b, t))
+    for i in range(b):
+        if valid[i] == 0:
+            continue
+        group = entries.get(ids[i], [])
+        mean = sum(group) / len(group)
+        std = (sum((g - mean) ** 2 for g in group) / len(group)) ** 0.5
+        for j in range(t):
+            if mask[i, j] == 0:
+                continue
+            total = 0.0
+            for k in range(j, t):
+                if mask[i, k] > 0 and positions[i, k] > 0:
+                    total += (
+                        (rewards[i, k] - mean) / (std + eps)
+                        if scale_by_std
+                        else (rewards[i, k] - mean)
+                    )
+            out[i, j] = total
+    return out
+
+
+def test_process_advantages_hand_worked(variant):
+    # One group of two samples, three tokens each. Sample 0: step reward 1 at token 0 and
+    # outcome 1 at token 2; sample 1: step reward 0 at token 0, outcome 0 at token 2.
+    # Entries [1, 1, 0, 0]: mean 0.5, std 0.5 -> normalised ±1.
+    rewards = np.array([[1.0, 9.0, 1.0], [0.0, 9.0, 0.0]], np.float32)  # 9: not an entry
+    positions = np.array([[1, 0, 1], [1, 0, 1]], np.float32)
+    mask = np.ones((2, 3), np.float32)
+    ids = np.array([0, 0], np.int32)
+    adv = variant(process_group_advantages, num_groups=1, eps=0.0)(rewards, positions, mask, ids)
+    np.testing.assert_allclose(adv, [[2.0, 1.0, 1.0], [-2.0, -1.0, -1.0]], atol=ATOL)
+
+
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_process_advantages_match_oracle(variant, scale_by_std):
+    rng = np.random.default_rng(3)
+    seq_rewards, ids, valid = _random_groups(5)
+    b, t = len(ids), 7
+    lengths = rng.integers(1, t + 1, size=b)
+    mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.float32)
+    positions = (rng.random((b, t)) < 0.4).astype(np.float32)
+    positions[np.arange(b), lengths - 1] = 1.0
+    rewards = rng.normal(size=(b, t)).astype(np.float32)
+    fn = variant(process_group_advantages, num_groups=4, scale_by_std=scale_by_std)
+    got = fn(rewards, positions, mask, ids, valid=valid)
+    want = _process_oracle(rewards, positions, mask, ids, valid, scale_by_std, 1e-6)
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_process_advantages_with_outcome_only_are_grpo(variant):
+    rewards_seq, ids, valid = _random_groups(6)
+    b, t = len(ids), 5
+    lengths = np.random.default_rng(0).integers(1, t + 1, size=b)
+    mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.float32)
+    last = np.zeros((b, t), np.float32)
+    last[np.arange(b), lengths - 1] = 1.0
+    got = variant(process_group_advantages, num_groups=4)(
+        rewards_seq[:, None] * last, last, mask, ids, valid=valid
+    )
+    want = grpo_advantages(rewards_seq, ids, num_groups=4, valid=valid)
+    np.testing.assert_allclose(got, np.asarray(want)[:, None] * mask, atol=ATOL)

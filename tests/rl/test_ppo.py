@@ -233,3 +233,46 @@ def test_adaptive_learning_rate_follows_the_measured_kl():
     assert float(_adapt_lr(cfg, 1.9 * one, {"approx_kl": 0.0})) == 2.0
     clip = dataclasses.replace(cfg, adaptive_lr="clip_frac", adaptive_lr_target=0.2)
     assert float(_adapt_lr(clip, one, {"clip_frac": 0.5, "approx_kl": 0.0})) < 1.0
+
+
+def test_step_advantages_credit_each_step_from_its_group():
+    from rlpt.rl.advantages import process_group_advantages
+    from rlpt.rl.kl import init_kl_controller
+    from rlpt.rl.ppo import compute_advantages
+
+    step = 7  # token id marking a step's end
+    # Two groups of two: in each, a right first step (reward 1 at the step token) and a
+    # wrong one (0), then outcomes at the last token.
+    response = np.array(
+        [[5, step, 6, 6], [5, step, 6, 0], [5, 5, step, 6], [5, step, 6, 6]], np.int32
+    )
+    mask = (response > 0).astype(np.float32)
+    batch = new_rollout_batch(
+        np.full((4, 2), 9), np.ones((4, 2), bool), response, mask,
+        sequence_rewards=np.array([1.0, 0.0, 0.0, 1.0], np.float32), step_token_id=step,
+        group_id=np.array([0, 0, 1, 1]),
+    )  # fmt: skip
+    process = np.asarray(batch.step_mask) * np.array([[1.0], [0.0], [0.0], [1.0]])
+    batch = batch.replace(rewards=batch.rewards + process)
+    cfg = PPOConfig(estimator="grpo", step_advantages=True, kl_placement="loss", num_groups=2)
+    got = np.asarray(compute_advantages(cfg, init_kl_controller(0.0), batch).advantages)
+    last = np.zeros((4, 4), np.float32)
+    last[np.arange(4), mask.sum(1).astype(int) - 1] = 1.0
+    positions = np.maximum(np.asarray(batch.step_mask), last)
+    want = process_group_advantages(batch.rewards, positions, mask, batch.group_id, num_groups=2)
+    np.testing.assert_allclose(got, np.asarray(want), atol=1e-6)
+    # Group 0, hand-worked: entries [1, 1, 0, 0] -> ±1; sample 0 earns 2 before its step.
+    np.testing.assert_allclose(got[0], [2.0, 2.0, 1.0, 1.0], atol=1e-5)
+    np.testing.assert_allclose(got[1], [-2.0, -2.0, -1.0, 0.0], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"estimator": "gae", "step_advantages": True}, "estimator 'grpo' or 'dr_grpo'"),
+        ({"estimator": "grpo", "step_advantages": True}, "kl_placement"),
+    ],
+)
+def test_step_advantages_config_errors(fields, message):
+    with pytest.raises(ValueError, match=message):
+        PPOConfig(**fields)
