@@ -37,7 +37,7 @@ import numpy as np
 
 from rlpt.sampling import Sampler, SamplingParams
 from rlpt.tasks import Domain, Task, VerifyResult
-from rlpt.tokenizers import Tokenizer
+from rlpt.tokenizers import Tokenizer, decode_response
 
 SPLITS = ("heldout", "ood")
 
@@ -118,19 +118,6 @@ class Verifier:
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
         return results
-
-
-def decode_response(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
-    """Text of generated ``ids``; ids past the tokenizer's vocabulary (the model's
-    vocabulary is rounded up) have no text and read as U+FFFD, so they never match."""
-    pieces, start = [], 0
-    ids = [int(t) for t in ids]
-    for i, t in enumerate(ids):
-        if t >= tokenizer.vocab_size:
-            pieces.append(tokenizer.decode(ids[start:i]) + "\ufffd")
-            start = i + 1
-    pieces.append(tokenizer.decode(ids[start:]))
-    return "".join(pieces)
 
 
 def complete(

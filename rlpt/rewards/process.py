@@ -29,6 +29,7 @@ import numpy as np
 from rlpt.rewards.preferences import encode_sequence, pad_rows
 from rlpt.sampling.methods import SamplingParams
 from rlpt.tasks.base import ANSWER, STEP, Task, extract_answer, split_steps
+from rlpt.tokenizers import decode_response
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +104,7 @@ def math_shepherd_labels(
                     break
                 length = int(out.lengths[r])
                 n_tokens += length
-                continuations.append(tokenizer.decode(np.asarray(out.tokens[r][:length])))
+                continuations.append(decode_response(tokenizer, np.asarray(out.tokens[r][:length])))
     texts = [
         prefix + cont
         for (i, _, prefix), conts in zip(jobs, _chunks(continuations, n_continuations))
