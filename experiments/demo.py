@@ -119,6 +119,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.reward_model.learning_rate = 1e-3
     config.reward_model.warmup_steps = 50
     config.reward_model.margin = 0.0
+    # Add the policy's own log-likelihood of the row to the scalar head's score (the trunk
+    # and its language-model head both start from the policy): a small reward model then
+    # judges held-out answers by what the policy knows instead of memorising its pairs.
+    config.reward_model.likelihood = True
 
     # The 'prm' stage: Math-Shepherd labels from the policy's own continuations.
     config.process_reward = ml_collections.ConfigDict()

@@ -71,13 +71,46 @@ def last_token_index(mask: jax.Array) -> jax.Array:
 
 
 class RewardModel(_ScalarHead):
-    """Sequence reward [B], read at the last real token of each row."""
+    """Sequence reward [B], read at the last real token of each row.
+
+    ``likelihood=True`` adds a learned multiple (``likelihood_scale``, initially 1) of the
+    row's log-likelihood under the trunk's own language-model head, kept from the policy
+    the reward model starts from. A policy already "knows" much of what is right: the
+    answer it would write is in its next-token distribution at the answer, not in the
+    hidden state at the last token that the scalar head reads, and a head trained on a
+    few thousand pairs memorises them rather than learning to look there. The
+    log-likelihood of the prompt is a per-prompt constant that pair comparisons and
+    group baselines cancel.
+    """
+
+    def __init__(self, config: ModelConfig, *, likelihood: bool = False, rngs: nnx.Rngs):
+        super().__init__(config, rngs=rngs)
+        self.likelihood = likelihood
+        if likelihood:
+            if not config.tie_embeddings:
+                self.lm_head = _param(
+                    rngs, (config.d_model, config.vocab_size), ("embed", "vocab"),
+                    std=config.d_model**-0.5,
+                )  # fmt: skip
+            self.likelihood_scale = _param(rngs, (), (), value=jnp.ones((), jnp.float32))
 
     def __call__(self, tokens, positions=None, mask=None, segment_ids=None) -> jax.Array:
         if mask is None:
             mask = jnp.ones(tokens.shape, bool)
-        scores = self.token_scores(tokens, positions, mask, segment_ids)
-        return jnp.take_along_axis(scores, last_token_index(mask)[:, None], axis=1)[:, 0]
+        hidden, _ = self.trunk(tokens, positions, mask, segment_ids)  # [B, T, D]
+        scores = jnp.einsum("btd,d->bt", hidden, self.head_w[...]) + self.head_b[...]
+        out = jnp.take_along_axis(scores, last_token_index(mask)[:, None], axis=1)[:, 0]  # [B]
+        if not self.likelihood:
+            return out
+        dtype = self.config.compute_dtype
+        if self.config.tie_embeddings:
+            logits = _matmul("btd,vd->btv", hidden, self.trunk.embedding[...], dtype)
+        else:
+            logits = _matmul("btd,dv->btv", hidden, self.lm_head[...], dtype)
+        log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+        target = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, T-1]
+        real = mask[:, 1:].astype(jnp.float32) * mask[:, :-1].astype(jnp.float32)
+        return out + self.likelihood_scale[...] * jnp.sum(target * real, axis=1)
 
 
 class ProcessRewardModel(_ScalarHead):

@@ -51,6 +51,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
+    # > 0: cosine decay to 10% of the peak over this many steps (warmup included), which
+    # settles a fine-tune that a constant rate leaves noisy near its end.
+    decay_steps: int = 0
 
 
 @struct.dataclass
@@ -63,7 +66,15 @@ class ModelTrainState:
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     lr: Any = cfg.learning_rate
-    if cfg.warmup_steps:
+    if cfg.decay_steps:
+        if cfg.decay_steps <= cfg.warmup_steps:
+            raise ValueError(
+                f"decay_steps={cfg.decay_steps} must exceed warmup_steps={cfg.warmup_steps}"
+            )
+        lr = optax.warmup_cosine_decay_schedule(
+            0.0, cfg.learning_rate, cfg.warmup_steps, cfg.decay_steps, 0.1 * cfg.learning_rate
+        )
+    elif cfg.warmup_steps:
         lr = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
     return optax.chain(
         optax.clip_by_global_norm(cfg.max_grad_norm),
@@ -176,6 +187,8 @@ def with_trunk(params, policy_params):
     by a copy of a policy's: the usual warm start, since a trunk that already reads the
     domain learns the judgement much faster."""
     params["trunk"] = jax.tree.map(jnp.copy, policy_params["trunk"])
+    if "lm_head" in params and "lm_head" in policy_params:  # a likelihood-term reward model
+        params["lm_head"] = jax.tree.map(jnp.copy, policy_params["lm_head"])
     return params
 
 

@@ -53,6 +53,7 @@ from rlpt.rewards.train import (
     with_trunk,
 )
 from rlpt.sampling import SamplingParams
+from rlpt.tokenizers import decode_response
 
 if TYPE_CHECKING:
     from rlpt.trainers.post_train import PostTrainRun
@@ -135,7 +136,8 @@ def rm_stage(run: PostTrainRun) -> None:
     seed = run.config.seed
     policy = run._policy_params()
     graph, params = create_model(
-        lambda rngs: RewardModel(run.model_cfg, rngs=rngs), jax.random.fold_in(run.keys["init"], 11)
+        lambda rngs: RewardModel(run.model_cfg, likelihood=c.get("likelihood", False), rngs=rngs),
+        jax.random.fold_in(run.keys["init"], 11),
     )
     params = with_trunk(params, policy)
     max_len = run.model_cfg.max_seq_len
@@ -229,7 +231,7 @@ def prm_stage(run: PostTrainRun) -> None:
         policy, prompts, jax.random.fold_in(key, 0), max_new_tokens=max_new,
         sampling=SamplingParams(temperature=1.0),
     )  # fmt: skip
-    sampled = [tok.decode(np.asarray(out.tokens[i][: int(out.lengths[i])]))
+    sampled = [decode_response(tok, np.asarray(out.tokens[i][: int(out.lengths[i])]))
                for i in range(len(tasks))]  # fmt: skip
     # Planted wrong steps keep wrong steps well represented however good the policy is.
     planted, _ = planted_error_solutions(dom, tasks, seed=seed)
@@ -313,6 +315,7 @@ class LearnedRewards:
     prm_graph: Any = None
     prm_params: Any = None
     norm: NormState = dataclasses.field(default_factory=init_norm_state)
+    rm_likelihood: bool = False  # the reward model adds the policy's log-likelihood
 
     @classmethod
     def from_config(cls, config, tokenizer) -> LearnedRewards:
@@ -322,7 +325,11 @@ class LearnedRewards:
             process_aggregation=r.get("process_aggregation", "min"),
             clip=r.get("learned_clip", 5.0),
         )  # fmt: skip
-        return cls(cfg, RewardMonitor(MonitorConfig()), tokenizer.step_id, tokenizer.answer_id)
+        rm = config.get("reward_model") or {}
+        return cls(
+            cfg, RewardMonitor(MonitorConfig()), tokenizer.step_id, tokenizer.answer_id,
+            rm_likelihood=bool(rm.get("likelihood", False)),
+        )  # fmt: skip
 
     @property
     def active(self) -> bool:
@@ -352,7 +359,8 @@ class LearnedRewards:
             out[NORM_KEY] = init_norm_state()
         if RM_KEY in names:
             self.rm_graph, params = create_model(
-                lambda rngs: RewardModel(model_cfg, rngs=rngs), jax.random.key(0)
+                lambda rngs: RewardModel(model_cfg, likelihood=self.rm_likelihood, rngs=rngs),
+                jax.random.key(0),
             )
             out[RM_KEY] = params
         if PRM_KEY in names:

@@ -203,6 +203,28 @@ def test_value_reward_and_process_reward_heads(tiny_lm):
     np.testing.assert_array_equal(step_mask, tokens == 3)
 
 
+@pytest.mark.parametrize("cfg", [TINY, TINY_BIAS], ids=["tied", "untied"])
+def test_likelihood_reward_adds_the_policy_log_likelihood(cfg):
+    from rlpt.rewards.train import with_trunk
+
+    tokens = np.array([[9, 3, 10, 3, 11, 0], [0, 12, 13, 3, 14, 15]], np.int32)
+    mask = tokens != 0
+    _, policy = _perturbed(lambda r: CausalLM(cfg, rngs=r), jax.random.key(4))
+    g, s = create_model(lambda r: RewardModel(cfg, likelihood=True, rngs=r), jax.random.key(5))
+    model = nnx.merge(g, with_trunk(s, policy))
+    got = np.asarray(model(tokens, mask=mask))
+    head = np.asarray(model.token_scores(tokens, mask=mask))[[0, 1], [4, 5]]
+    # Reference: each row unpadded through the numpy forward, log-softmax by hand.
+    for row, want_head in zip(range(2), head):
+        ids = tokens[row][mask[row]]
+        logits = _numpy_forward(policy, cfg, ids).astype(np.float64)  # [n, V]
+        total = 0.0
+        for t in range(1, len(ids)):
+            z = logits[t - 1]
+            total += z[ids[t]] - (np.log(np.sum(np.exp(z - z.max()))) + z.max())
+        np.testing.assert_allclose(got[row], want_head + total, rtol=2e-4, atol=2e-4)
+
+
 def test_presets_have_the_documented_sizes():
     def size(name):
         return count_params(abstract_model(lambda r: CausalLM(PRESETS[name], rngs=r))[1])

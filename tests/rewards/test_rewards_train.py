@@ -179,3 +179,10 @@ def test_rollout_scores_feed_the_composite_reward(rm_run):
     )(init_norm_state(), batch.response_mask, scores, probs, steps)
     assert rewards.shape == (2, 32) and np.isfinite(np.asarray(rewards)).all()
     assert {"reward/outcome", "reward/reward_model", "reward/process"} <= set(metrics)
+
+
+def test_decay_schedule_must_outlast_its_warmup():
+    from rlpt.rewards.train import make_optimizer
+
+    with pytest.raises(ValueError, match="decay_steps"):
+        make_optimizer(TrainConfig(warmup_steps=50, decay_steps=50))
