@@ -213,14 +213,19 @@ def _log_every(trainer_metrics: dict, step: int, what: str, every: int = 50) -> 
         )
 
 
-def reward_model_figures(seed: int = 0, steps: int = 600, sft_steps: int = 600) -> dict[str, Any]:
+def reward_model_figures(
+    seed: int = 0, steps: int = 400, sft_steps: int = 1500, learning_rate: float = 3e-4,
+    likelihood: bool = True,
+) -> dict[str, Any]:  # fmt: skip
     """Train an RM on correctness-only pairs of ``arithmetic`` and ``stepwise_math`` (levels
-    1-2), its trunk warm-started by ``sft_steps`` of supervised training on the same
-    domains' demonstrations, and measure held-out pairwise accuracy per domain."""
+    1-2), its trunk (and, with ``likelihood``, language-model head) warm-started by
+    ``sft_steps`` of supervised training on the same domains' demonstrations, and measure
+    held-out pairwise accuracy per domain (and per level, and before any pair training)."""
     from rlpt.tasks import get_domain
 
     tok = ByteTokenizer()
-    config = small_config(d_model=96, n_layers=3, max_seq_len=64)
+    config = small_config(max_seq_len=64)
+    per_level = 100  # held-out pairs per domain and level (levels 1 then 2)
     train_pairs: list[PreferencePair] = []
     sft_tasks: list[Task] = []
     heldout: dict[str, list[PreferencePair]] = {}
@@ -230,20 +235,39 @@ def reward_model_figures(seed: int = 0, steps: int = 600, sft_steps: int = 600) 
             tasks = dom.tasks("train", 1500, level, seed=seed)
             sft_tasks += tasks
             train_pairs += correctness_pairs(dom, tasks, seed)
-            held = correctness_pairs(dom, dom.tasks("heldout", 100, level, seed=seed), seed + 1)
+            held = correctness_pairs(
+                dom, dom.tasks("heldout", per_level, level, seed=seed), seed + 1
+            )
             heldout.setdefault(name, []).extend(held)
     start = time.time()
     policy = None
     if sft_steps:
         _, policy, _ = train_sft(config, None, sft_tasks, tok, steps=sft_steps, seed=seed)
+
+    def accuracy(graph, params, pairs) -> float:
+        return rm_pairwise_accuracy(graph, params, pairs, tok, config.max_seq_len)
+
+    untrained = train_reward_model(config, train_pairs, tok, steps=0, seed=seed, policy=policy,
+                                   likelihood=likelihood)  # fmt: skip
     graph, params, metrics = train_reward_model(
-        config, train_pairs, tok, steps=steps, seed=seed, policy=policy
-    )
+        config, train_pairs, tok, steps=steps, seed=seed, policy=policy,
+        learning_rate=learning_rate, likelihood=likelihood,
+    )  # fmt: skip
     return {
         "rm_pairwise_accuracy": {
-            name: rm_pairwise_accuracy(graph, params, pairs, tok, config.max_seq_len)
+            name: accuracy(graph, params, pairs) for name, pairs in heldout.items()
+        },
+        "rm_pairwise_accuracy_by_level": {
+            name: [
+                accuracy(graph, params, pairs[:per_level]),
+                accuracy(graph, params, pairs[per_level:]),
+            ]
             for name, pairs in heldout.items()
         },
+        "rm_pairwise_accuracy_before_pair_training": {
+            name: accuracy(untrained[0], untrained[1], pairs) for name, pairs in heldout.items()
+        },
+        "rm_likelihood": likelihood,
         "rm_train_accuracy_last_batch": float(metrics["accuracy"]),
         "rm_train_pairs": len(train_pairs),
         "rm_sft_steps": sft_steps,
@@ -355,9 +379,9 @@ def main(argv: Sequence[str]) -> None:
 
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 _PARTS = flags.DEFINE_string("parts", "rm,prm", "Comma-separated: rm, prm.")
-_RM_STEPS = flags.DEFINE_integer("rm_steps", 600, "Bradley-Terry optimiser steps.")
+_RM_STEPS = flags.DEFINE_integer("rm_steps", 400, "Bradley-Terry optimiser steps.")
 _RM_SFT_STEPS = flags.DEFINE_integer(
-    "rm_sft_steps", 600, "Supervised steps warm-starting the reward model's trunk (0: none)."
+    "rm_sft_steps", 1500, "Supervised steps warm-starting the reward model's trunk (0: none)."
 )
 _PRM_LABEL_TASKS = flags.DEFINE_integer(
     "prm_label_tasks", 2000, "Train problems whose solutions (sampled and planted) are labelled."
