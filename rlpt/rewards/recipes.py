@@ -278,6 +278,7 @@ def reward_model_figures(
 def process_reward_figures(
     seed: int = 0, level: int = 2, sft_steps: int = 1200, prm_steps: int = 1200,
     n_label_tasks: int = 2000, n_continuations: int = 4, best_of: int = 8,
+    samples_per_task: int = 4,
 ) -> dict[str, Any]:  # fmt: skip
     """Warm-start a policy, label its samples (and planted-error variants of demonstrations)
     the Math-Shepherd way, train a PRM, and measure step ROC-AUC and best-of-N reranking."""
@@ -297,12 +298,16 @@ def process_reward_figures(
     # Step prefixes make prompts of up to ~50 tokens: buckets that leave room for max_new.
     sampler = Sampler(graph, config, eos_id=tok.eos_id, pad_id=tok.pad_id, buckets=(16, 32, 48, 56))
     tasks = dom.tasks("train", n_label_tasks, level, seed=seed + 2)
-    sampled = [s[0] for s in sample_solutions(
-        sampler, policy, tasks, tok, jax.random.key(seed), n=1, max_new_tokens=max_new
-    )]  # fmt: skip
+    # Several samples per problem: the policy's own mistakes (a misread instruction, a
+    # slip) are what best-of-N reranking must catch, and a good policy makes few of them.
+    sampled = [c for row in sample_solutions(
+        sampler, policy, tasks, tok, jax.random.key(seed), n=samples_per_task,
+        max_new_tokens=max_new,
+    ) for c in row]  # fmt: skip
     # Planted errors make sure wrong steps are well represented even when the policy is good.
     planted, _ = planted_error_solutions(dom, tasks, seed=seed)
-    label_tasks = list(tasks) + [t for t in tasks for _ in (0, 1)]
+    label_tasks = [t for t in tasks for _ in range(samples_per_task)]
+    label_tasks += [t for t in tasks for _ in (0, 1)]
     completions = sampled + planted
     labels = math_shepherd_labels(
         sampler, policy, dom, label_tasks, completions, tok, jax.random.key(seed + 1),
@@ -351,9 +356,12 @@ def process_reward_figures(
     answers = [[extract_answer(c) for c in row] for row in cand]
     bon = best_of_n(scores.reshape(len(held), best_of), correct.reshape(len(held), best_of),
                     answers)  # fmt: skip
+    # How well the PRM separates the policy's own right and wrong held-out solutions.
+    sample_auc = roc_auc(scores, correct.astype(np.float32)) if 0 < correct.mean() < 1 else None
     return {
         "prm_step_roc_auc": auc,
         "prm_best_of_n": dict(bon, n=best_of),
+        "prm_solution_roc_auc_on_samples": sample_auc,
         "prm_label_samples": labels.samples,
         "prm_train_examples": len(keep),
         "prm_sft_steps": sft_steps,
