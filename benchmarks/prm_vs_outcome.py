@@ -4,9 +4,10 @@ Both runs start from the same policy, warm-started by a short supervised phase
 on demonstrations, and use the same seeds, prompts and PPO budget. The process
 run first spends samples on Math-Shepherd step labels (the solutions it samples
 and every continuation) and those count against its budget; its PRM starts from
-the warm-started policy's trunk. Both runs use GRPO with step-level credit
-(``ppo.step_advantages``): with outcome rewards alone that is plain GRPO, so the
-process rewards are the only difference. The target
+the warm-started policy's trunk. Both runs use GRPO; the process run credits
+each token with the group-normalised rewards of its own and later steps
+(``ppo.step_advantages``), so the PRM's step scores reach the steps they judge. The
+target
 accuracy is fixed beforehand as the warm-started policy's held-out greedy
 accuracy plus ``TARGET_GAIN``; ``samples_ratio_prm_vs_outcome`` is the samples
 the process run needed to reach it over those the outcome run needed (null if
@@ -67,13 +68,13 @@ TARGET_GAIN = 0.10  # target = warm-start accuracy + this, fixed before any PPO 
 # A warm start that solves some level-2 problems (about a third), so both runs have
 # reward signal and headroom; it also seeds the PRM's trunk.
 SFT_STEPS = 300
-PPO_STEPS = 32
+PPO_STEPS = 48
 PROMPTS_PER_STEP = 16
 SAMPLES_PER_PROMPT = 4
 MAX_NEW = 28
 EVAL_TASKS = 128
 EVAL_EVERY = 4
-LABEL_SOLUTIONS = 64  # solutions sampled for Math-Shepherd labels
+LABEL_SOLUTIONS = 128  # solutions sampled for Math-Shepherd labels
 LABEL_CONTINUATIONS = 4
 PRM_STEPS = 300
 PROCESS_WEIGHT = 0.5
@@ -90,12 +91,15 @@ def evaluate(sampler, params, tasks, domain, tok) -> float:
 
 def ppo_run(name, graph, sft_params, config, domain, tok, train_tasks, eval_tasks, prm=None):
     """PPO from the warm start; returns the accuracy curve as (samples, accuracy) points."""
-    # Both runs credit tokens step by step (GRPO process supervision): with outcome rewards
-    # only that is plain GRPO, so the process rewards are the only difference.
+    # GRPO in both runs; the process run credits tokens step by step (GRPO's process
+    # supervision), so its step rewards reach the steps they judge. Adam's first updates
+    # move every weight by about the learning rate, which a sharp warm-started policy
+    # feels as a large KL: a warmup keeps it near the reference.
     cfg = PPOConfig(
-        estimator="grpo", step_advantages=True, kl_placement="loss", epochs=2,
-        num_minibatches=2, learning_rate=3e-4, kl_coef=0.01, num_groups=PROMPTS_PER_STEP,
-        whiten_advantages=False,
+        estimator="grpo", step_advantages=prm is not None, kl_placement="loss", epochs=2,
+        num_minibatches=2, learning_rate=1e-4, schedule="warmup_cosine", warmup_steps=10,
+        total_steps=PPO_STEPS * 4, end_lr_fraction=0.3, kl_coef=0.01,
+        num_groups=PROMPTS_PER_STEP, whiten_advantages=False,
     )  # fmt: skip
     trainer = PPOTrainer(cfg, graph)
     # The update donates its state: the policy gets its own copy, the reference keeps the original.

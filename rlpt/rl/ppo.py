@@ -108,7 +108,8 @@ class PPOConfig:
     overlong_penalty: float = 1.0
     num_groups: int | None = None  # GRPO/RLOO: groups per batch (default: batch size)
     # grpo/dr_grpo: credit each token with the group-normalised rewards of the steps at and
-    # after it (process supervision) instead of one scalar per sequence.
+    # after it (process supervision) instead of one scalar per sequence. Every step end
+    # (a step token) and the last token is a reward entry, so use it with process rewards.
     step_advantages: bool = False
 
     def __post_init__(self):
