@@ -58,7 +58,7 @@ from rlpt.rewards.recipes import (  # noqa: E402
 from rlpt.rl import PPOConfig, PPOTrainer, init_train_state, new_rollout_batch  # noqa: E402
 from rlpt.sampling import GREEDY, Sampler, SamplingParams  # noqa: E402
 from rlpt.tasks import get_domain  # noqa: E402
-from rlpt.tokenizers import ByteTokenizer  # noqa: E402
+from rlpt.tokenizers import ByteTokenizer, decode_response  # noqa: E402
 
 log = logging.getLogger("prm_vs_outcome")
 
@@ -85,7 +85,7 @@ def evaluate(sampler, params, tasks, domain, tok) -> float:
     prompts = [tok.encode(t.prompt, add_bos=True) for t in tasks]
     out = sampler.generate(params, prompts, jax.random.key(0), max_new_tokens=MAX_NEW,
                            sampling=GREEDY)  # fmt: skip
-    texts = [tok.decode(out.tokens[i][: out.lengths[i]]) for i in range(len(tasks))]
+    texts = [decode_response(tok, out.tokens[i][: out.lengths[i]]) for i in range(len(tasks))]
     return float(np.mean([r.correct for r in domain.verify_batch(tasks, texts)]))
 
 
@@ -131,7 +131,7 @@ def ppo_run(name, graph, sft_params, config, domain, tok, train_tasks, eval_task
         out = sampler.generate(state.policy, prompts, jax.random.key(1000 + step),
                                max_new_tokens=MAX_NEW, sampling=SamplingParams())  # fmt: skip
         samples += len(prompts)
-        texts = [tok.decode(out.tokens[i][: out.lengths[i]]) for i in range(len(tasks))]
+        texts = [decode_response(tok, out.tokens[i][: out.lengths[i]]) for i in range(len(tasks))]
         outcome = np.asarray([r.reward for r in domain.verify_batch(tasks, texts)], np.float32)
         p_tok, p_mask = sampler.prepare(prompts, MAX_NEW)
         batch = new_rollout_batch(
