@@ -70,7 +70,31 @@ def last_token_index(mask: jax.Array) -> jax.Array:
     return jnp.maximum(idx.max(axis=1), 0)
 
 
-class RewardModel(_ScalarHead):
+class _LikelihoodTerm(nnx.Module):
+    """The trunk's own language-model head (kept from the policy the model starts from)
+    and a learned multiple of a log-likelihood read through it."""
+
+    def _init_likelihood(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
+        if not config.tie_embeddings:
+            self.lm_head = _param(
+                rngs, (config.d_model, config.vocab_size), ("embed", "vocab"),
+                std=config.d_model**-0.5,
+            )  # fmt: skip
+        self.likelihood_scale = _param(rngs, (), (), value=jnp.ones((), jnp.float32))
+
+    def _token_log_probs(self, hidden: jax.Array, tokens: jax.Array) -> jax.Array:
+        """log p(token t | tokens before t) [B, T]; column 0 (no context) is 0."""
+        dtype = self.config.compute_dtype
+        if self.config.tie_embeddings:
+            logits = _matmul("btd,vd->btv", hidden, self.trunk.embedding[...], dtype)
+        else:
+            logits = _matmul("btd,dv->btv", hidden, self.lm_head[...], dtype)
+        log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+        target = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
+        return jnp.pad(target, ((0, 0), (1, 0)))
+
+
+class RewardModel(_ScalarHead, _LikelihoodTerm):
     """Sequence reward [B], read at the last real token of each row.
 
     ``likelihood=True`` adds a learned multiple (``likelihood_scale``, initially 1) of the
@@ -87,12 +111,7 @@ class RewardModel(_ScalarHead):
         super().__init__(config, rngs=rngs)
         self.likelihood = likelihood
         if likelihood:
-            if not config.tie_embeddings:
-                self.lm_head = _param(
-                    rngs, (config.d_model, config.vocab_size), ("embed", "vocab"),
-                    std=config.d_model**-0.5,
-                )  # fmt: skip
-            self.likelihood_scale = _param(rngs, (), (), value=jnp.ones((), jnp.float32))
+            self._init_likelihood(config, rngs)
 
     def __call__(self, tokens, positions=None, mask=None, segment_ids=None) -> jax.Array:
         if mask is None:
@@ -102,38 +121,69 @@ class RewardModel(_ScalarHead):
         out = jnp.take_along_axis(scores, last_token_index(mask)[:, None], axis=1)[:, 0]  # [B]
         if not self.likelihood:
             return out
-        dtype = self.config.compute_dtype
-        if self.config.tie_embeddings:
-            logits = _matmul("btd,vd->btv", hidden, self.trunk.embedding[...], dtype)
-        else:
-            logits = _matmul("btd,dv->btv", hidden, self.lm_head[...], dtype)
-        log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-        target = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, T-1]
-        real = mask[:, 1:].astype(jnp.float32) * mask[:, :-1].astype(jnp.float32)
+        real = mask.astype(jnp.float32)
+        # A token's likelihood counts when it and the token before it are real.
+        real = real * jnp.pad(real[:, :-1], ((0, 0), (1, 0)))
+        target = self._token_log_probs(hidden, tokens)  # [B, T]
         return out + self.likelihood_scale[...] * jnp.sum(target * real, axis=1)
 
 
-class ProcessRewardModel(_ScalarHead):
+class ProcessRewardModel(_ScalarHead, _LikelihoodTerm):
     """Step scores (logits of "this step is on a correct path") at step-separator tokens.
 
     Returns ``(scores [B, T], step_mask [B, T])``: scores at every token, and
     where the step separator sits (only those scores are meaningful).
+
+    ``likelihood=True`` adds to each position's score a learned multiple of the
+    log-likelihood, under the trunk's own language-model head, of the tokens since the
+    previous separator (``step_token_id`` or ``answer_token_id``): at a separator, the
+    step it ends. A policy's own slips are mostly unlikely tokens it happened to sample
+    (a wrong digit), which its next-token distribution sees and a head reading one
+    hidden state learns slowly. ``response_mask`` [B, T] limits the tokens that count
+    (the prompt's likelihood says nothing about the first step); by default every real
+    token counts.
     """
 
-    def __init__(self, config: ModelConfig, step_token_id: int, *, rngs: nnx.Rngs):
+    def __init__(
+        self, config: ModelConfig, step_token_id: int, *, likelihood: bool = False,
+        answer_token_id: int | None = None, rngs: nnx.Rngs,
+    ):  # fmt: skip
         super().__init__(config, rngs=rngs)
-        if not 0 <= step_token_id < config.vocab_size:
-            raise ValueError(
-                f"step_token_id {step_token_id} outside the vocabulary [0, {config.vocab_size})"
-            )
+        for name, tid in (("step_token_id", step_token_id), ("answer_token_id", answer_token_id)):
+            if tid is not None and not 0 <= tid < config.vocab_size:
+                raise ValueError(f"{name} {tid} outside the vocabulary [0, {config.vocab_size})")
         self.step_token_id = step_token_id
+        self.answer_token_id = answer_token_id
+        self.likelihood = likelihood
+        if likelihood:
+            self._init_likelihood(config, rngs)
 
-    def __call__(self, tokens, positions=None, mask=None, segment_ids=None):
+    def __call__(self, tokens, positions=None, mask=None, segment_ids=None, response_mask=None):
         if mask is None:
             mask = jnp.ones(tokens.shape, bool)
-        scores = self.token_scores(tokens, positions, mask, segment_ids)
-        step_mask = (tokens == self.step_token_id) & mask.astype(bool)
-        return scores, step_mask
+        mask = mask.astype(bool)
+        hidden, _ = self.trunk(tokens, positions, mask, segment_ids)  # [B, T, D]
+        scores = jnp.einsum("btd,d->bt", hidden, self.head_w[...]) + self.head_b[...]
+        step_mask = (tokens == self.step_token_id) & mask
+        if not self.likelihood:
+            return scores, step_mask
+        # A token counts when it and the token before it are real (and in the response).
+        counted = mask & jnp.pad(mask[:, :-1], ((0, 0), (1, 0)))
+        if response_mask is not None:
+            counted &= response_mask.astype(bool)
+        log_probs = self._token_log_probs(hidden, tokens) * counted  # [B, T]
+        total = jnp.cumsum(log_probs, axis=1)  # [B, T]
+        ends = tokens == self.step_token_id  # [B, T] positions that close a segment
+        if self.answer_token_id is not None:
+            ends |= tokens == self.answer_token_id
+        if segment_ids is not None:  # packed rows: a sequence's last token closes it too
+            ends |= jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (0, 1)))
+        t = tokens.shape[1]
+        last_end = jax.lax.cummax(jnp.where(ends, jnp.arange(t)[None, :], -1), axis=1)
+        prev_end = jnp.pad(last_end[:, :-1], ((0, 0), (1, 0)), constant_values=-1)  # [B, T]
+        before = jnp.take_along_axis(total, jnp.maximum(prev_end, 0), axis=1)
+        segment = total - jnp.where(prev_end >= 0, before, 0.0)  # [B, T]
+        return scores + self.likelihood_scale[...] * segment, step_mask
 
 
 __all__ = [

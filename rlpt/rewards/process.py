@@ -164,12 +164,13 @@ def encode_step_examples(
     max_len: int,
     pad_to: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """PRM training rows: ``tokens``, ``mask``, ``labels``, ``label_mask`` [N, L].
+    """PRM training rows: ``tokens``, ``mask``, ``labels``, ``label_mask``, ``response_mask``
+    [N, L].
 
     Row layout as ``encode_sequence``; labels sit on the separator tokens of the
     completion. Rows longer than ``max_len`` raise (the caller filters first).
     """
-    rows, label_rows = [], []
+    rows, label_rows, offsets = [], [], []
     for prompt, completion, lab in zip(prompts, completions, labels, strict=True):
         ids = encode_sequence(tokenizer, prompt, completion)
         if len(ids) > max_len:
@@ -178,6 +179,7 @@ def encode_step_examples(
         seps = separator_positions(ids[offset:], tokenizer.step_id, tokenizer.answer_id)
         label_rows.append([(offset + k, y) for k, y in zip(seps, lab)])
         rows.append(ids)
+        offsets.append(offset)
     length = pad_to or max(len(r) for r in rows)
     tokens, mask = pad_rows(rows, length, tokenizer.pad_id)
     y = np.zeros(tokens.shape, np.float32)
@@ -186,7 +188,9 @@ def encode_step_examples(
         for k, v in pairs:
             y[r, k] = v
             y_mask[r, k] = 1.0
-    return {"tokens": tokens, "mask": mask, "labels": y, "label_mask": y_mask}
+    response = mask & (np.arange(length)[None, :] >= np.asarray(offsets)[:, None])
+    return {"tokens": tokens, "mask": mask, "labels": y, "label_mask": y_mask,
+            "response_mask": response}  # fmt: skip
 
 
 def solution_score(step_probs: np.ndarray, step_mask: np.ndarray) -> np.ndarray:
@@ -206,26 +210,37 @@ def best_of_n(
 ) -> dict[str, float]:
     """Held-out accuracy of picking one of N candidates by score, at random, or by majority.
 
-    ``random`` is the exact expectation (mean correctness); ``majority`` picks the
-    most frequent non-empty answer (ties: the first seen) and counts a problem
-    solved when a candidate with that answer is correct.
+    ``reranked`` takes the best-scored candidate; ``weighted_vote`` the answer whose
+    candidates' scores sum highest (Math-Shepherd's PRM-weighted self-consistency;
+    scores must be non-negative, such as probabilities); ``random`` is the exact
+    expectation (mean correctness); ``majority`` picks the most frequent non-empty
+    answer. Voting ties go to the answer seen first; a vote counts a problem solved
+    when a candidate with the winning answer is correct.
     """
     scores = np.asarray(scores, np.float64)
     correct = np.asarray(correct, bool)
     if scores.shape != correct.shape:
         raise ValueError(f"scores {scores.shape} and correct {correct.shape} differ")
     picked = correct[np.arange(len(scores)), np.argmax(scores, axis=1)]
-    majority = []
-    for row_answers, row_correct in zip(answers, correct):
-        counts = collections.Counter(a for a in row_answers if a)
-        if not counts:
-            majority.append(False)
-            continue
-        top = max(counts.values())
-        winner = next(a for a in row_answers if a and counts[a] == top)
-        majority.append(any(c for a, c in zip(row_answers, row_correct) if a == winner))
+    if np.any(scores < 0):
+        raise ValueError("best_of_n: weighted voting needs non-negative scores")
+
+    def vote(row_answers, row_correct, weights) -> bool:
+        totals: dict[str, float] = collections.defaultdict(float)
+        for a, w in zip(row_answers, weights):
+            if a:
+                totals[a] += w
+        if not totals:
+            return False
+        top = max(totals.values())
+        winner = next(a for a in row_answers if a and totals[a] == top)
+        return any(c for a, c in zip(row_answers, row_correct) if a == winner)
+
+    majority = [vote(a, c, np.ones(len(a))) for a, c in zip(answers, correct)]
+    weighted = [vote(a, c, s) for a, c, s in zip(answers, correct, scores)]
     return {
         "reranked": float(np.mean(picked)),
+        "weighted_vote": float(np.mean(weighted)),
         "random": float(np.mean(correct)),
         "majority": float(np.mean(majority)),
     }

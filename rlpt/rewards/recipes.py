@@ -159,13 +159,21 @@ def rm_pairwise_accuracy(
 def train_prm(
     config: ModelConfig, examples: dict[str, np.ndarray], tokenizer, *, steps: int,
     batch_size: int = 64, learning_rate: float = 1e-3, seed: int = 0, policy=None,
+    likelihood: bool = False,
 ):  # fmt: skip
     """BCE training at step separators: ``(graphdef, params, last metrics)``.
 
-    ``policy``: a ``CausalLM`` state whose trunk the PRM starts from."""
-    step_id = tokenizer.step_id
+    ``policy``: a ``CausalLM`` state whose trunk (and language-model head) the PRM
+    starts from; ``likelihood``: a likelihood-term PRM (see ``ProcessRewardModel``)."""
     graphdef, params = create_model(
-        lambda r: ProcessRewardModel(config, step_id, rngs=r), jax.random.key(seed)
+        lambda r: ProcessRewardModel(
+            config,
+            tokenizer.step_id,
+            likelihood=likelihood,
+            answer_token_id=tokenizer.answer_id,
+            rngs=r,
+        ),
+        jax.random.key(seed),
     )
     if policy is not None:
         params = with_trunk(params, policy)
@@ -180,9 +188,10 @@ def train_prm(
 
 def prm_step_probs(graphdef, params, examples: dict[str, np.ndarray], chunk: int = 256):
     """Step probabilities [N, L] (meaningful where ``label_mask``)."""
-    fn = jax.jit(lambda p, t, m: jax.nn.sigmoid(step_logits(graphdef, p, t, m)))
+    fn = jax.jit(lambda p, t, m, r: jax.nn.sigmoid(step_logits(graphdef, p, t, m, r)))
     out = [np.asarray(fn(params, examples["tokens"][i : i + chunk],
-                         examples["mask"][i : i + chunk]))
+                         examples["mask"][i : i + chunk],
+                         examples["response_mask"][i : i + chunk]))
            for i in range(0, len(examples["tokens"]), chunk)]  # fmt: skip
     return np.concatenate(out)
 
@@ -278,7 +287,7 @@ def reward_model_figures(
 def process_reward_figures(
     seed: int = 0, level: int = 2, sft_steps: int = 1200, prm_steps: int = 1200,
     n_label_tasks: int = 2000, n_continuations: int = 4, best_of: int = 8,
-    samples_per_task: int = 4,
+    samples_per_task: int = 4, likelihood: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """Warm-start a policy, label its samples (and planted-error variants of demonstrations)
     the Math-Shepherd way, train a PRM, and measure step ROC-AUC and best-of-N reranking."""
@@ -323,7 +332,7 @@ def process_reward_figures(
         [labels.soft[i] for i in keep], max_len=train_len, pad_to=train_len,
     )  # fmt: skip
     prm_graph, prm_params, _ = train_prm(
-        config, examples, tok, steps=prm_steps, seed=seed, policy=policy
+        config, examples, tok, steps=prm_steps, seed=seed, policy=policy, likelihood=likelihood
     )
 
     held = dom.tasks("heldout", 150, level, seed=seed)
@@ -361,6 +370,7 @@ def process_reward_figures(
     return {
         "prm_step_roc_auc": auc,
         "prm_best_of_n": dict(bon, n=best_of),
+        "prm_likelihood": likelihood,
         "prm_solution_roc_auc_on_samples": sample_auc,
         "prm_label_samples": labels.samples,
         "prm_train_examples": len(keep),
@@ -380,7 +390,7 @@ def main(argv: Sequence[str]) -> None:
     if "prm" in parts:
         result.update(process_reward_figures(
             _SEED.value, sft_steps=_PRM_SFT_STEPS.value, prm_steps=_PRM_STEPS.value,
-            n_label_tasks=_PRM_LABEL_TASKS.value,
+            n_label_tasks=_PRM_LABEL_TASKS.value, likelihood=_PRM_LIKELIHOOD.value,
         ))  # fmt: skip
     print(json.dumps(result))
 
@@ -395,6 +405,9 @@ _PRM_LABEL_TASKS = flags.DEFINE_integer(
     "prm_label_tasks", 2000, "Train problems whose solutions (sampled and planted) are labelled."
 )
 _PRM_STEPS = flags.DEFINE_integer("prm_steps", 1200, "PRM cross-entropy optimiser steps.")
+_PRM_LIKELIHOOD = flags.DEFINE_bool(
+    "prm_likelihood", True, "Add each step's log-likelihood under the policy to its PRM score."
+)
 _PRM_SFT_STEPS = flags.DEFINE_integer(
     "prm_sft_steps", 1200, "Supervised steps of the policy that labels steps and seeds the PRM."
 )

@@ -35,7 +35,11 @@ def rollout_process_scores(
     The PRM reads each separator token itself (it scores the step that token
     ends), so response column t is sequence position P + t.
     """
-    scores, _ = nnx.merge(graphdef, params)(batch.tokens, batch.positions, batch.input_mask)
+    cols = jnp.arange(batch.tokens.shape[1])[None, :]
+    response = batch.input_mask.astype(bool) & (cols >= batch.prompt_len)  # [B, P + T]
+    scores, _ = nnx.merge(graphdef, params)(
+        batch.tokens, batch.positions, batch.input_mask, response_mask=response
+    )
     resp = scores[:, batch.prompt_len :]  # [B, T]
     response_tokens = batch.tokens[:, batch.prompt_len :]
     steps = separator_mask(

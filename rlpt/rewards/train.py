@@ -202,9 +202,15 @@ def sequence_scores(graphdef, params, tokens: jax.Array, mask: jax.Array) -> jax
     return model(tokens, _positions(mask), mask.astype(bool))
 
 
-def step_logits(graphdef, params, tokens: jax.Array, mask: jax.Array) -> jax.Array:
-    """Process-reward-model logits at every position [N, L] (meaningful at separators)."""
-    scores, _ = nnx.merge(graphdef, params)(tokens, _positions(mask), mask.astype(bool))
+def step_logits(
+    graphdef, params, tokens: jax.Array, mask: jax.Array, response_mask: jax.Array | None = None
+) -> jax.Array:
+    """Process-reward-model logits at every position [N, L] (meaningful at separators).
+
+    ``response_mask`` [N, L]: the solution's tokens, whose likelihood a likelihood-term
+    PRM reads (by default every real token)."""
+    model = nnx.merge(graphdef, params)
+    scores, _ = model(tokens, _positions(mask), mask.astype(bool), response_mask=response_mask)
     return scores
 
 
@@ -224,8 +230,11 @@ def rm_objective(graphdef, params, batch: Batch, margin: float = 0.0):
 
 
 def prm_objective(graphdef, params, batch: Batch):
-    """BCE at separators; batch: ``tokens``, ``mask``, ``labels``, ``label_mask`` [N, L]."""
-    logits = step_logits(graphdef, params, batch["tokens"], batch["mask"])
+    """BCE at separators; batch: ``tokens``, ``mask``, ``labels``, ``label_mask`` [N, L]
+    and optionally ``response_mask`` [N, L]."""
+    logits = step_logits(
+        graphdef, params, batch["tokens"], batch["mask"], batch.get("response_mask")
+    )
     lm = batch["label_mask"].astype(jnp.float32)
     loss = binary_cross_entropy(logits, batch["labels"], lm)
     hits = ((logits > 0) == (batch["labels"] > 0.5)) * lm

@@ -256,7 +256,13 @@ def prm_stage(run: PostTrainRun) -> None:
         [chosen[i] for i in keep], max_len=max_len, pad_to=max_len,
     )  # fmt: skip
     graph, params = create_model(
-        lambda rngs: ProcessRewardModel(run.model_cfg, tok.step_id, rngs=rngs),
+        lambda rngs: ProcessRewardModel(
+            run.model_cfg,
+            tok.step_id,
+            likelihood=c.get("likelihood", False),
+            answer_token_id=tok.answer_id,
+            rngs=rngs,
+        ),
         jax.random.fold_in(run.keys["init"], 13),
     )
     params = with_trunk(params, policy)
@@ -293,8 +299,10 @@ def _prm_heldout_auc(graph, params, dom, tok, n_tasks, level, seed, max_len) -> 
         tok, [prompts[i] for i in keep], [texts[i] for i in keep],
         [step_labels[i] for i in keep], max_len=max_len, pad_to=max_len,
     )  # fmt: skip
-    probs_fn = jax.jit(lambda p, t, m: jax.nn.sigmoid(step_logits(graph, p, t, m)))
-    probs = _chunked(probs_fn, params, {"t": ev["tokens"], "m": ev["mask"]})
+    probs_fn = jax.jit(lambda p, t, m, r: jax.nn.sigmoid(step_logits(graph, p, t, m, r)))
+    probs = _chunked(
+        probs_fn, params, {"t": ev["tokens"], "m": ev["mask"], "r": ev["response_mask"]}
+    )
     on = ev["label_mask"] > 0
     return roc_auc(probs[on], ev["labels"][on])
 
@@ -316,6 +324,7 @@ class LearnedRewards:
     prm_params: Any = None
     norm: NormState = dataclasses.field(default_factory=init_norm_state)
     rm_likelihood: bool = False  # the reward model adds the policy's log-likelihood
+    prm_likelihood: bool = False  # the process reward model adds each step's log-likelihood
 
     @classmethod
     def from_config(cls, config, tokenizer) -> LearnedRewards:
@@ -326,9 +335,11 @@ class LearnedRewards:
             clip=r.get("learned_clip", 5.0),
         )  # fmt: skip
         rm = config.get("reward_model") or {}
+        prm = config.get("process_reward") or {}
         return cls(
             cfg, RewardMonitor(MonitorConfig()), tokenizer.step_id, tokenizer.answer_id,
             rm_likelihood=bool(rm.get("likelihood", False)),
+            prm_likelihood=bool(prm.get("likelihood", False)),
         )  # fmt: skip
 
     @property
@@ -365,7 +376,14 @@ class LearnedRewards:
             out[RM_KEY] = params
         if PRM_KEY in names:
             self.prm_graph, params = create_model(
-                lambda rngs: ProcessRewardModel(model_cfg, step_id, rngs=rngs), jax.random.key(0)
+                lambda rngs: ProcessRewardModel(
+                    model_cfg,
+                    step_id,
+                    likelihood=self.prm_likelihood,
+                    answer_token_id=self.answer_id,
+                    rngs=rngs,
+                ),
+                jax.random.key(0),
             )
             out[PRM_KEY] = params
         return out

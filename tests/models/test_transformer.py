@@ -225,6 +225,44 @@ def test_likelihood_reward_adds_the_policy_log_likelihood(cfg):
         np.testing.assert_allclose(got[row], want_head + total, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("cfg", [TINY, TINY_BIAS], ids=["tied", "untied"])
+def test_likelihood_prm_adds_each_steps_log_likelihood(cfg):
+    from rlpt.rewards.train import with_trunk
+
+    # Prompt 9 10, then steps ending at separators 3 (step) and 4 (answer).
+    tokens = np.array([[9, 10, 11, 3, 12, 13, 4, 14, 0], [0, 0, 9, 15, 3, 11, 4, 12, 13]],
+                      np.int32)  # fmt: skip
+    mask = tokens != 0
+    response = np.zeros_like(mask)
+    response[0, 2:8] = True
+    response[1, 3:] = True
+    _, policy = _perturbed(lambda r: CausalLM(cfg, rngs=r), jax.random.key(4))
+    g, s = create_model(
+        lambda r: ProcessRewardModel(cfg, 3, likelihood=True, answer_token_id=4, rngs=r),
+        jax.random.key(5),
+    )  # fmt: skip
+    model = nnx.merge(g, with_trunk(s, policy))
+    got, step_mask = model(tokens, mask=mask, response_mask=response)
+    got = np.asarray(got)
+    head = np.asarray(model.token_scores(tokens, mask=mask))
+    np.testing.assert_array_equal(step_mask, tokens == 3)
+    for row in range(2):
+        cols = np.flatnonzero(mask[row])
+        ids = tokens[row, cols]
+        logits = _numpy_forward(policy, cfg, ids).astype(np.float64)  # [n, V]
+        # Hand-walked: a running sum of response-token log-probabilities, reset after
+        # each separator.
+        running = 0.0
+        for k, col in enumerate(cols):
+            if k > 0 and response[row, col]:
+                z = logits[k - 1]
+                running += z[ids[k]] - (np.log(np.sum(np.exp(z - z.max()))) + z.max())
+            np.testing.assert_allclose(got[row, col], head[row, col] + running,
+                                       rtol=2e-4, atol=2e-4)  # fmt: skip
+            if ids[k] in (3, 4):
+                running = 0.0
+
+
 def test_presets_have_the_documented_sizes():
     def size(name):
         return count_params(abstract_model(lambda r: CausalLM(PRESETS[name], rngs=r))[1])

@@ -148,11 +148,17 @@ def test_encode_step_examples_puts_labels_on_separators():
 
 
 def test_best_of_n_against_random_and_majority():
-    scores = np.array([[0.9, 0.1, 0.2], [0.2, 0.8, 0.1]])
-    correct = np.array([[1, 0, 0], [0, 1, 0]], bool)
-    answers = [["5", "7", "7"], ["3", "4", "3"]]
+    scores = np.array([[0.9, 0.1, 0.2], [0.2, 0.8, 0.1], [0.6, 0.5, 0.5]])
+    correct = np.array([[1, 0, 0], [0, 1, 0], [1, 0, 0]], bool)
+    answers = [["5", "7", "7"], ["3", "4", "3"], ["9", "8", "8"]]
     out = best_of_n(scores, correct, answers)
-    assert out == {"reranked": 1.0, "random": 1 / 3, "majority": 0.0}
+    # Weighted votes by hand: 5 (0.9) beats 7 (0.3); 4 (0.8) beats 3 (0.3); 8 (1.0)
+    # beats 9 (0.6), although 9 alone scores highest.
+    assert out == pytest.approx(
+        {"reranked": 1.0, "weighted_vote": 2 / 3, "random": 1 / 3, "majority": 0.0}
+    )
+    with pytest.raises(ValueError, match="non-negative"):
+        best_of_n(-scores, correct, answers)
     probs = np.array([[0.9, 0.2, 0.7, 0.0]])
     assert solution_score(probs, np.array([[1, 0, 1, 0]]))[0] == 0.7
     assert solution_score(probs, np.zeros((1, 4)))[0] == 0.0
