@@ -123,6 +123,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # and its language-model head both start from the policy): a small reward model then
     # judges held-out answers by what the policy knows instead of memorising its pairs.
     config.reward_model.likelihood = True
+    # > 0: during PPO, every this many steps, a few Bradley-Terry steps on pairs of the
+    # newest rollouts' right and wrong completions of one prompt, so the reward model
+    # follows the policy's distribution.
+    config.reward_model.refresh_every = 0
+    config.reward_model.refresh_steps = 4
+    config.reward_model.refresh_batch_size = 16
+    config.reward_model.refresh_buffer = 1024  # newest traces kept
 
     # The 'prm' stage: Math-Shepherd labels from the policy's own continuations.
     config.process_reward = ml_collections.ConfigDict()

@@ -22,6 +22,14 @@ step's last token (aggregated by ``rewards.process_aggregation``), the learned
 terms under running normalisation and clipping. A ``RewardMonitor`` tracks, per
 domain, how often the learned verdict agrees with the verifier; that agreement
 is the curriculum's per-domain confidence and its collapse flags reward hacking.
+
+With ``reward_model.refresh_every`` > 0 the reward model follows the policy: every
+rollout's verifier and sandbox verdicts join a buffer of the newest
+``refresh_buffer`` traces, and every ``refresh_every`` PPO steps
+``refresh_steps`` Bradley-Terry steps train it on pairs of one prompt's right and
+wrong completions from that buffer (``rlpt.rewards.RewardModelRefresher``). Its
+optimiser state and the buffer are checkpointed, so a resumed run refreshes as an
+uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -41,9 +49,19 @@ from rlpt.rewards.composite import NormState, RewardConfig, assemble_rewards, in
 from rlpt.rewards.data import correctness_pairs, planted_error_solutions
 from rlpt.rewards.losses import pairwise_accuracy, roc_auc
 from rlpt.rewards.monitor import MonitorConfig, RewardMonitor, _DomainStats
-from rlpt.rewards.preferences import encode_pairs, encode_sequence, load_preferences
+from rlpt.rewards.preferences import (
+    Trace,
+    encode_pairs,
+    encode_sequence,
+    load_preferences,
+    traces_from_results,
+)
 from rlpt.rewards.process import encode_step_examples, math_shepherd_labels
-from rlpt.rewards.scoring import rollout_process_scores, rollout_rm_scores
+from rlpt.rewards.scoring import (
+    RewardModelRefresher,
+    rollout_process_scores,
+    rollout_rm_scores,
+)
 from rlpt.rewards.train import (
     TrainConfig,
     prm_trainer,
@@ -59,6 +77,7 @@ if TYPE_CHECKING:
     from rlpt.trainers.post_train import PostTrainRun
 
 RM_KEY, PRM_KEY, NORM_KEY = "reward_model", "process_reward_model", "reward_norm"
+RM_STATE_KEY = "reward_model_state"  # parameters and optimiser state, when refreshing
 
 
 def _batches(n: int, batch_size: int, steps: int, rng: np.random.Generator):
@@ -105,6 +124,15 @@ def check_config(config) -> None:
         for field in ("steps", "batch_size", "pairs_per_level", "heldout_pairs"):
             if int(config.reward_model[field]) < 1:
                 raise ValueError(f"reward_model.{field} must be >= 1")
+        rm = config.reward_model
+        if int(rm.get("refresh_every", 0)) < 0:
+            raise ValueError(f"reward_model.refresh_every must be >= 0, got {rm.refresh_every}")
+        if int(rm.get("refresh_every", 0)):
+            for field in ("refresh_steps", "refresh_batch_size", "refresh_buffer"):
+                if int(rm.get(field, 0)) < 1:
+                    raise ValueError(
+                        f"reward_model.{field} must be >= 1 when reward_model.refresh_every > 0"
+                    )
     if "prm" in stages:
         if "process_reward" not in config:
             raise ValueError("stage 'prm' needs a config.process_reward section")
@@ -161,10 +189,7 @@ def rm_stage(run: PostTrainRun) -> None:
             f"reward model: only {len(arrays)} usable pairs (skipped {skipped}); need at least "
             f"reward_model.batch_size={c.batch_size}"
         )
-    trainer = rm_trainer(
-        TrainConfig(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps), graph,
-        margin=c.margin,
-    )  # fmt: skip
+    trainer = _rm_trainer(c, graph)
     rng = np.random.default_rng(seed + 303)
     batches = (
         {
@@ -179,9 +204,19 @@ def rm_stage(run: PostTrainRun) -> None:
         lambda p: _rm_heldout(graph, p, heldout, run.tokenizer, max_len),
     )  # fmt: skip
     run.learned.set_rm(graph, state.params)
+    if run.learned.refreshing:
+        run.learned.start_refresh(trainer, state, max_len)
     run.meta.setdefault("reward_models", {})["rm"] = {
         k.split("/", 1)[1]: float(v) for k, v in metrics.items() if "heldout" in k
     }
+
+
+def _rm_trainer(c, graph):
+    """The reward model's trainer: the ``rm`` stage's, continued by refreshes in PPO."""
+    return rm_trainer(
+        TrainConfig(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps), graph,
+        margin=c.margin,
+    )  # fmt: skip
 
 
 def _train(run: PostTrainRun, stage: str, trainer, state, batches, steps: int, final):
@@ -324,6 +359,10 @@ class LearnedRewards:
     prm_params: Any = None
     norm: NormState = dataclasses.field(default_factory=init_norm_state)
     rm_likelihood: bool = False  # the reward model adds the policy's log-likelihood
+    rm_config: Any = None  # the config's reward_model section (refresh settings)
+    tokenizer: Any = None
+    rm_state: Any = None  # ModelTrainState while refreshing
+    refresher: RewardModelRefresher | None = None
     prm_likelihood: bool = False  # the process reward model adds each step's log-likelihood
 
     @classmethod
@@ -340,7 +379,43 @@ class LearnedRewards:
             cfg, RewardMonitor(MonitorConfig()), tokenizer.step_id, tokenizer.answer_id,
             rm_likelihood=bool(rm.get("likelihood", False)),
             prm_likelihood=bool(prm.get("likelihood", False)),
+            rm_config=rm or None, tokenizer=tokenizer,
         )  # fmt: skip
+
+    @property
+    def refreshing(self) -> bool:
+        """Whether the reward model is retrained on the newest traces during PPO."""
+        return bool(self.rm_config and int(self.rm_config.get("refresh_every", 0)))
+
+    def start_refresh(self, trainer, state, max_len: int) -> None:
+        """Keep the reward model's trainer and state (parameters and optimiser) to refresh."""
+        c = self.rm_config
+        self.rm_state = state
+        self.refresher = RewardModelRefresher(
+            trainer, self.tokenizer, max_len=max_len,
+            every=int(c.refresh_every), steps=int(c.refresh_steps),
+            batch_size=int(c.refresh_batch_size), buffer_size=int(c.refresh_buffer),
+        )  # fmt: skip
+
+    def observe(self, step: int, tasks, texts, results, key) -> dict[str, float]:
+        """Add a rollout's verdicts to the trace buffer; refresh the reward model when due."""
+        if self.refresher is None:
+            return {}
+        self.refresher.add(traces_from_results(tasks, texts, results))
+        self.rm_state, metrics = self.refresher.maybe_refresh(step, self.rm_state, key)
+        self.rm_params = self.rm_state.params
+        metrics["rm/refresh_buffer"] = float(len(self.refresher.traces))
+        return metrics
+
+    def trace_state(self) -> list[dict[str, str]]:
+        """The refresh buffer as JSON-ready records (for the checkpoint's metadata)."""
+        if self.refresher is None:
+            return []
+        return [dataclasses.asdict(t) for t in self.refresher.traces]
+
+    def set_trace_state(self, records) -> None:
+        if self.refresher is not None:
+            self.refresher.traces = [Trace(**r) for r in records]
 
     @property
     def active(self) -> bool:
@@ -358,7 +433,9 @@ class LearnedRewards:
     # Checkpointed arrays and their restore templates.
     def items(self) -> dict[str, Any]:
         out: dict[str, Any] = {NORM_KEY: self.norm}
-        if self.rm_params is not None:
+        if self.rm_state is not None:
+            out[RM_STATE_KEY] = self.rm_state
+        elif self.rm_params is not None:
             out[RM_KEY] = self.rm_params
         if self.prm_params is not None:
             out[PRM_KEY] = self.prm_params
@@ -368,12 +445,17 @@ class LearnedRewards:
         out: dict[str, Any] = {}
         if NORM_KEY in names:
             out[NORM_KEY] = init_norm_state()
-        if RM_KEY in names:
+        if RM_KEY in names or RM_STATE_KEY in names:
             self.rm_graph, params = create_model(
                 lambda rngs: RewardModel(model_cfg, likelihood=self.rm_likelihood, rngs=rngs),
                 jax.random.key(0),
             )
-            out[RM_KEY] = params
+            if RM_KEY in names:
+                out[RM_KEY] = params
+            else:
+                trainer = _rm_trainer(self.rm_config, self.rm_graph)
+                out[RM_STATE_KEY] = jax.eval_shape(trainer.init, params)
+                self.start_refresh(trainer, None, model_cfg.max_seq_len)
         if PRM_KEY in names:
             self.prm_graph, params = create_model(
                 lambda rngs: ProcessRewardModel(
@@ -391,6 +473,9 @@ class LearnedRewards:
     def set_items(self, items: Mapping[str, Any]) -> None:
         self.norm = items.get(NORM_KEY, self.norm)
         self.rm_params = items.get(RM_KEY, self.rm_params)
+        if RM_STATE_KEY in items:
+            self.rm_state = items[RM_STATE_KEY]
+            self.rm_params = self.rm_state.params
         self.prm_params = items.get(PRM_KEY, self.prm_params)
 
     def monitor_state(self) -> dict[str, Any]:

@@ -299,7 +299,7 @@ class PostTrainRun:
         key = jax.random.key(config.seed)
         self.keys = {
             name: jax.random.fold_in(key, i)
-            for i, name in enumerate(("init", "value_init", "rollout", "eval", "ppo"))
+            for i, name in enumerate(("init", "value_init", "rollout", "eval", "ppo", "rm_refresh"))
         }
         self.lora = lora_config(config)
         # `init_params` is what trains (the adapters under LoRA); `base_params` the frozen rest.
@@ -454,6 +454,7 @@ class PostTrainRun:
         self.meta["elapsed_s"] = self._elapsed()
         self.meta["config"] = run_identity(self.config)
         self.meta["reward_monitor"] = self.learned.monitor_state()
+        self.meta["reward_model_traces"] = self.learned.trace_state()
         self.ckpt.save(self.meta["step"], self._items(), self.meta)
 
     def _elapsed(self) -> float:
@@ -496,6 +497,7 @@ class PostTrainRun:
         items, meta = self.ckpt.restore(step, targets)
         self.learned.set_items(items)
         self.learned.set_monitor_state(meta.get("reward_monitor", {}))
+        self.learned.set_trace_state(meta.get("reward_model_traces", []))
         self.meta = meta
         self.state = items.get("sft", items.get("ppo"))
         self.ref_params = items.get("ref")
@@ -746,6 +748,10 @@ class PostTrainRun:
                 difficulty=pb.difficulty[keep], confidence=confidence,
             ))  # fmt: skip
             update_metrics = jax.device_get(update_metrics)
+            # The reward model learns from this rollout's verdicts; refreshed, it scores the next.
+            learned_metrics.update(self.learned.observe(
+                step, pb.tasks, texts, results, jax.random.fold_in(self.keys["rm_refresh"], step)
+            ))  # fmt: skip
             self.profiler.stop(step, self.state)
             t_upd = time.perf_counter()
             self.meta["step"] = step

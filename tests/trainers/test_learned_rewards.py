@@ -25,6 +25,10 @@ LEARNED = {
     "rewards.process": 0.5,
     # A critic, so the process rewards reach the advantages token by token.
     "ppo.estimator": "gae",
+    # The reward model follows the policy; its optimiser state and traces are checkpointed.
+    "reward_model.refresh_every": 2,
+    "reward_model.refresh_batch_size": 4,
+    "process_reward.likelihood": True,
 }
 
 
@@ -69,6 +73,11 @@ def test_ppo_logs_each_learned_term_and_the_monitor(learned_run):
         for key in ("reward/outcome", "reward/reward_model", "reward/process", "reward/total"):
             assert key in r and np.isfinite(r[key]), key
         assert any(k.startswith("monitor/") and k.endswith("/agreement") for k in r)
+        assert r["rm/refresh_buffer"] > 0
+    # Every second global step the reward model refreshes from the newest traces.
+    refreshes = [r for r in ppo if "rm/refresh_pairs" in r]
+    assert refreshes and all(r["step"] % 2 == 0 for r in refreshes)
+    assert len(refreshes) == sum(1 for r in ppo if r["step"] % 2 == 0)
 
 
 def test_interrupted_learned_reward_run_resumes_identically(learned_run, tmp_path):
@@ -111,3 +120,62 @@ def test_reward_model_term_sits_on_the_last_token_only(monkeypatch):
     assert metrics["reward/reward_model"] == pytest.approx(0.5 * (1.0 - 1.0 + 0.5) / 3)
     # The score's sign agrees with the verifier on all three rows.
     assert metrics["monitor/a/agreement"] == 1.0 and confidence == {"a": 1.0, "b": 1.0}
+
+
+def test_refresh_trains_on_rollout_verdicts_and_checkpoints_its_state():
+    import types
+
+    import jax
+    import ml_collections
+
+    from rlpt.models import RewardModel, create_model, get_preset
+    from rlpt.tokenizers import ByteTokenizer
+    from rlpt.trainers.learned_rewards import RM_STATE_KEY, _rm_trainer
+
+    cfg = get_preset("tiny").replace(max_seq_len=32)
+    tok = ByteTokenizer()
+    rm_cfg = ml_collections.ConfigDict({
+        "learning_rate": 1e-3, "warmup_steps": 0, "margin": 0.0, "refresh_every": 2,
+        "refresh_steps": 3, "refresh_batch_size": 4, "refresh_buffer": 10,
+    })  # fmt: skip
+    learned = LearnedRewards(
+        RewardConfig(reward_model=1.0), RewardMonitor(), tok.step_id, tok.answer_id,
+        rm_config=rm_cfg, tokenizer=tok,
+    )  # fmt: skip
+    assert learned.refreshing
+    graph, params = create_model(lambda r: RewardModel(cfg, rngs=r), jax.random.key(0))
+    trainer = _rm_trainer(rm_cfg, graph)
+    learned.set_rm(graph, params)
+    learned.start_refresh(trainer, trainer.init(params), cfg.max_seq_len)
+    before = jax.tree.map(np.asarray, learned.rm_params)
+
+    # Four prompts, each answered once right and once wrong.
+    tasks = [types.SimpleNamespace(id=f"t{i}", domain="d", prompt=f"q{i}")
+             for i in range(4) for _ in (0, 1)]  # fmt: skip
+    texts = [f"{i}<answer>{2 * i + k}" for i in range(4) for k in (0, 1)]
+    results = [types.SimpleNamespace(valid=True, outcome=("correct", "wrong")[k])
+               for _ in range(4) for k in (0, 1)]  # fmt: skip
+    metrics = learned.observe(1, tasks, texts, results, jax.random.key(1))
+    assert metrics == {"rm/refresh_buffer": 8.0}  # not due: only buffered
+    results[7] = types.SimpleNamespace(valid=False, outcome="")  # a sandbox failure
+    metrics = learned.observe(2, tasks, texts, results, jax.random.key(2))
+    # The buffer keeps the newest ten traces: all of the second rollout and the first's
+    # two answers to q3, whose wrong one stands in for the failure (no verdict): four pairs.
+    assert metrics["rm/refresh_buffer"] == 10.0 and metrics["rm/refresh_pairs"] == 4.0
+    assert int(learned.rm_state.step) == 3
+    after = jax.tree.map(np.asarray, learned.rm_params)
+    assert any(not np.array_equal(a, b) for a, b in
+               zip(jax.tree.leaves(before), jax.tree.leaves(after)))  # fmt: skip
+
+    # What a checkpoint holds restores into the template another run builds.
+    items, traces = learned.items(), learned.trace_state()
+    assert RM_STATE_KEY in items and len(traces) == 10
+    fresh = LearnedRewards(
+        RewardConfig(reward_model=1.0), RewardMonitor(), tok.step_id, tok.answer_id,
+        rm_config=rm_cfg, tokenizer=tok,
+    )  # fmt: skip
+    template = fresh.templates(list(items), cfg, tok.step_id)
+    assert jax.tree.structure(template[RM_STATE_KEY]) == jax.tree.structure(items[RM_STATE_KEY])
+    fresh.set_items(items)
+    fresh.set_trace_state(json.loads(json.dumps(traces)))
+    assert fresh.trace_state() == traces and fresh.rm_params is fresh.rm_state.params
