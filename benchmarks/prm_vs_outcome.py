@@ -69,6 +69,9 @@ TARGET_GAIN = 0.10  # target = warm-start accuracy + this, fixed before any PPO 
 # reward signal and headroom; it also seeds the PRM's trunk.
 SFT_STEPS = 300
 PPO_STEPS = 48
+PPO_LEARNING_RATE = 1e-4
+PPO_EPOCHS = 2
+KL_COEF = 0.01
 PROMPTS_PER_STEP = 16
 SAMPLES_PER_PROMPT = 4
 MAX_NEW = 28
@@ -96,9 +99,10 @@ def ppo_run(name, graph, sft_params, config, domain, tok, train_tasks, eval_task
     # move every weight by about the learning rate, which a sharp warm-started policy
     # feels as a large KL: a warmup keeps it near the reference.
     cfg = PPOConfig(
-        estimator="grpo", step_advantages=prm is not None, kl_placement="loss", epochs=2,
-        num_minibatches=2, learning_rate=1e-4, schedule="warmup_cosine", warmup_steps=10,
-        total_steps=PPO_STEPS * 4, end_lr_fraction=0.3, kl_coef=0.01,
+        estimator="grpo", step_advantages=prm is not None, kl_placement="loss",
+        epochs=PPO_EPOCHS, num_minibatches=2, learning_rate=PPO_LEARNING_RATE,
+        schedule="warmup_cosine", warmup_steps=10, total_steps=PPO_STEPS * 2 * PPO_EPOCHS,
+        end_lr_fraction=0.3, kl_coef=KL_COEF,
         num_groups=PROMPTS_PER_STEP, whiten_advantages=False,
     )  # fmt: skip
     trainer = PPOTrainer(cfg, graph)
