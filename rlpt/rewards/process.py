@@ -193,14 +193,24 @@ def encode_step_examples(
             "response_mask": response}  # fmt: skip
 
 
-def solution_score(step_probs: np.ndarray, step_mask: np.ndarray) -> np.ndarray:
-    """A solution's PRM score [N]: the minimum step probability (Lightman et al. 2023).
+def solution_score(step_probs: np.ndarray, step_mask: np.ndarray, how: str = "min") -> np.ndarray:
+    """A solution's PRM score [N] from its step probabilities [N, L] at ``step_mask``.
 
-    Rows without a step score 0, below any real solution.
+    ``how``: ``min`` (the weakest step, Lightman et al. 2023), ``product`` (the
+    chance every step is right, read as independent) or ``last`` (the final step's,
+    which judges the whole solution). Rows without a step score 0, below any real
+    solution.
     """
-    probs = np.where(step_mask > 0, step_probs, np.inf)
-    worst = probs.min(axis=1)
-    return np.where(np.isfinite(worst), worst, 0.0)
+    on = step_mask > 0
+    if how == "min":
+        worst = np.where(on, step_probs, np.inf).min(axis=1)
+        return np.where(np.isfinite(worst), worst, 0.0)
+    if how == "product":
+        return np.where(on.any(axis=1), np.prod(np.where(on, step_probs, 1.0), axis=1), 0.0)
+    if how == "last":
+        last = step_probs.shape[1] - 1 - np.argmax(on[:, ::-1], axis=1)
+        return np.where(on.any(axis=1), step_probs[np.arange(len(on)), last], 0.0)
+    raise ValueError(f"how must be 'min', 'product' or 'last', got {how!r}")
 
 
 def best_of_n(

@@ -287,7 +287,7 @@ def reward_model_figures(
 def process_reward_figures(
     seed: int = 0, level: int = 2, sft_steps: int = 1200, prm_steps: int = 1200,
     n_label_tasks: int = 2000, n_continuations: int = 4, best_of: int = 8,
-    samples_per_task: int = 4, likelihood: bool = True,
+    samples_per_task: int = 4, likelihood: bool = True, best_of_tasks: int = 300,
 ) -> dict[str, Any]:  # fmt: skip
     """Warm-start a policy, label its samples (and planted-error variants of demonstrations)
     the Math-Shepherd way, train a PRM, and measure step ROC-AUC and best-of-N reranking."""
@@ -304,8 +304,10 @@ def process_reward_figures(
         config, dom, dom.tasks("train", 3000, level, seed=seed + 1), tok, steps=sft_steps,
         seed=seed, pad_to=train_len,
     )  # fmt: skip
-    # Step prefixes make prompts of up to ~50 tokens: buckets that leave room for max_new.
-    sampler = Sampler(graph, config, eos_id=tok.eos_id, pad_id=tok.pad_id, buckets=(16, 32, 48, 56))
+    # Step prefixes of rows that fit train_len are prompts of at most train_len tokens,
+    # and the context leaves room for max_new after them.
+    sampler = Sampler(graph, config, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                      buckets=(16, 32, 48, train_len))  # fmt: skip
     tasks = dom.tasks("train", n_label_tasks, level, seed=seed + 2)
     # Several samples per problem: the policy's own mistakes (a misread instruction, a
     # slip) are what best-of-N reranking must catch, and a good policy makes few of them.
@@ -318,15 +320,18 @@ def process_reward_figures(
     label_tasks = [t for t in tasks for _ in range(samples_per_task)]
     label_tasks += [t for t in tasks for _ in (0, 1)]
     completions = sampled + planted
+    # Rows too long to train on are not worth labelling.
+    fits = [
+        i for i, c in enumerate(completions)
+        if len(encode_sequence(tok, label_tasks[i].prompt, c)) <= train_len
+    ]  # fmt: skip
+    label_tasks = [label_tasks[i] for i in fits]
+    completions = [completions[i] for i in fits]
     labels = math_shepherd_labels(
         sampler, policy, dom, label_tasks, completions, tok, jax.random.key(seed + 1),
         n_continuations=n_continuations, max_new_tokens=max_new,
     )  # fmt: skip
-    keep = [
-        i for i, c in enumerate(completions)
-        if labels.soft[i] and len(encode_sequence(tok, label_tasks[i].prompt, c))
-        <= train_len
-    ]  # fmt: skip
+    keep = [i for i in range(len(completions)) if labels.soft[i]]
     examples = encode_step_examples(
         tok, [label_tasks[i].prompt for i in keep], [completions[i] for i in keep],
         [labels.soft[i] for i in keep], max_len=train_len, pad_to=train_len,
@@ -347,29 +352,42 @@ def process_reward_figures(
     log.info("prm held-out step ROC-AUC %.4f (%.0fs)", auc, time.time() - start)
 
     # Best-of-N on held-out problems with the policy's own samples.
-    cand = sample_solutions(sampler, policy, held, tok, jax.random.key(seed + 9), n=best_of,
+    bon_tasks = dom.tasks("heldout", best_of_tasks, level, seed=seed + 11)
+    cand = sample_solutions(sampler, policy, bon_tasks, tok, jax.random.key(seed + 9), n=best_of,
                             max_new_tokens=max_new)  # fmt: skip
-    flat_tasks = [t for t in held for _ in range(best_of)]
+    flat_tasks = [t for t in bon_tasks for _ in range(best_of)]
     flat = [c for row in cand for c in row]
     ok = [
         i for i, c in enumerate(flat)
         if len(encode_sequence(tok, flat_tasks[i].prompt, c)) <= train_len
     ]  # fmt: skip
-    scores = np.zeros(len(flat))
     ex = encode_step_examples(
         tok, [flat_tasks[i].prompt for i in ok], [flat[i] for i in ok],
         [[0.0] * 64 for _ in ok], max_len=train_len, pad_to=train_len,
     )  # fmt: skip
-    scores[ok] = solution_score(prm_step_probs(prm_graph, prm_params, ex), ex["label_mask"])
+    step_probs = prm_step_probs(prm_graph, prm_params, ex)
     correct = np.asarray([r.correct for r in dom.verify_batch(flat_tasks, flat)])
     answers = [[extract_answer(c) for c in row] for row in cand]
-    bon = best_of_n(scores.reshape(len(held), best_of), correct.reshape(len(held), best_of),
-                    answers)  # fmt: skip
+    m = len(bon_tasks)
+    by_aggregation = {}
+    for how in ("min", "product", "last"):
+        agg = np.zeros(len(flat))
+        agg[ok] = solution_score(step_probs, ex["label_mask"], how)
+        by_aggregation[how] = best_of_n(agg.reshape(m, best_of), correct.reshape(m, best_of),
+                                        answers)  # fmt: skip
+        if how == "min":  # the solution score fixed beforehand; the others for comparison
+            scores = agg
+    bon = by_aggregation["min"]
     # How well the PRM separates the policy's own right and wrong held-out solutions.
     sample_auc = roc_auc(scores, correct.astype(np.float32)) if 0 < correct.mean() < 1 else None
     return {
         "prm_step_roc_auc": auc,
-        "prm_best_of_n": dict(bon, n=best_of),
+        "prm_best_of_n": dict(bon, n=best_of, problems=m),
+        "prm_best_of_n_by_aggregation": {
+            how: {k: v for k, v in r.items() if k in ("reranked", "weighted_vote")}
+            for how, r in by_aggregation.items()
+        },
+        "prm_best_of_n_oracle": float(correct.reshape(m, best_of).any(axis=1).mean()),
         "prm_likelihood": likelihood,
         "prm_solution_roc_auc_on_samples": sample_auc,
         "prm_label_samples": labels.samples,

@@ -159,6 +159,13 @@ def test_best_of_n_against_random_and_majority():
     )
     with pytest.raises(ValueError, match="non-negative"):
         best_of_n(-scores, correct, answers)
-    probs = np.array([[0.9, 0.2, 0.7, 0.0]])
-    assert solution_score(probs, np.array([[1, 0, 1, 0]]))[0] == 0.7
-    assert solution_score(probs, np.zeros((1, 4)))[0] == 0.0
+    probs = np.array([[0.9, 0.2, 0.7, 0.0], [0.5, 0.6, 0.8, 0.3]])
+    steps = np.array([[1, 0, 1, 0], [0, 1, 1, 1]])
+    np.testing.assert_allclose(solution_score(probs, steps), [0.7, 0.3])
+    np.testing.assert_allclose(solution_score(probs, steps, "product"), [0.63, 0.144])
+    np.testing.assert_allclose(solution_score(probs, steps, "last"), [0.7, 0.3])
+    np.testing.assert_allclose(solution_score(probs[:, :3], steps[:, :3], "last"), [0.7, 0.8])
+    for how in ("min", "product", "last"):
+        assert solution_score(probs, np.zeros((2, 4)), how).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="how"):
+        solution_score(probs, steps, "mean")
