@@ -351,45 +351,59 @@ def process_reward_figures(
     auc = roc_auc(probs[on], ev["labels"][on])
     log.info("prm held-out step ROC-AUC %.4f (%.0fs)", auc, time.time() - start)
 
-    # Best-of-N on held-out problems with the policy's own samples.
-    bon_tasks = dom.tasks("heldout", best_of_tasks, level, seed=seed + 11)
-    cand = sample_solutions(sampler, policy, bon_tasks, tok, jax.random.key(seed + 9), n=best_of,
-                            max_new_tokens=max_new)  # fmt: skip
-    flat_tasks = [t for t in bon_tasks for _ in range(best_of)]
-    flat = [c for row in cand for c in row]
-    ok = [
-        i for i, c in enumerate(flat)
-        if len(encode_sequence(tok, flat_tasks[i].prompt, c)) <= train_len
-    ]  # fmt: skip
-    ex = encode_step_examples(
-        tok, [flat_tasks[i].prompt for i in ok], [flat[i] for i in ok],
-        [[0.0] * 64 for _ in ok], max_len=train_len, pad_to=train_len,
-    )  # fmt: skip
-    step_probs = prm_step_probs(prm_graph, prm_params, ex)
-    correct = np.asarray([r.correct for r in dom.verify_batch(flat_tasks, flat)])
-    answers = [[extract_answer(c) for c in row] for row in cand]
-    m = len(bon_tasks)
-    by_aggregation = {}
-    for how in ("min", "product", "last"):
-        agg = np.zeros(len(flat))
-        agg[ok] = solution_score(step_probs, ex["label_mask"], how)
-        by_aggregation[how] = best_of_n(agg.reshape(m, best_of), correct.reshape(m, best_of),
-                                        answers)  # fmt: skip
-        if how == "min":  # the solution score fixed beforehand; the others for comparison
-            scores = agg
-    bon = by_aggregation["min"]
-    # How well the PRM separates the policy's own right and wrong held-out solutions.
-    sample_auc = roc_auc(scores, correct.astype(np.float32)) if 0 < correct.mean() < 1 else None
+    # Best-of-N on held-out problems with the policy's own samples: at the trained level,
+    # and one level up, where the policy is weaker and majority voting has more to miss.
+    def best_of_figures(level: int, max_new: int, row_len: int, key) -> dict[str, Any]:
+        tasks = dom.tasks("heldout", best_of_tasks, level, seed=seed + 11)
+        cand = sample_solutions(sampler, policy, tasks, tok, key, n=best_of,
+                                max_new_tokens=max_new)  # fmt: skip
+        flat_tasks = [t for t in tasks for _ in range(best_of)]
+        flat = [c for row in cand for c in row]
+        ok = [
+            i for i, c in enumerate(flat)
+            if len(encode_sequence(tok, flat_tasks[i].prompt, c)) <= row_len
+        ]  # fmt: skip
+        ex = encode_step_examples(
+            tok, [flat_tasks[i].prompt for i in ok], [flat[i] for i in ok],
+            [[0.0] * row_len for _ in ok], max_len=row_len, pad_to=row_len,
+        )  # fmt: skip
+        step_probs = prm_step_probs(prm_graph, prm_params, ex)
+        correct = np.asarray([r.correct for r in dom.verify_batch(flat_tasks, flat)])
+        answers = [[extract_answer(c) for c in row] for row in cand]
+        m = len(tasks)
+        by_aggregation = {}
+        for how in ("min", "product", "last"):
+            agg = np.zeros(len(flat))
+            agg[ok] = solution_score(step_probs, ex["label_mask"], how)
+            by_aggregation[how] = best_of_n(agg.reshape(m, best_of),
+                                            correct.reshape(m, best_of), answers)  # fmt: skip
+            if how == "min":  # the solution score fixed beforehand; the others for comparison
+                scores = agg
+        return {
+            "best_of_n": dict(by_aggregation["min"], n=best_of, problems=m, level=level,
+                              oracle=float(correct.reshape(m, best_of).any(axis=1).mean())),
+            "by_aggregation": {
+                how: {k: v for k, v in r.items() if k in ("reranked", "weighted_vote")}
+                for how, r in by_aggregation.items()
+            },
+            # How well the PRM separates the policy's own right and wrong solutions.
+            "solution_auc": (roc_auc(scores, correct.astype(np.float32))
+                             if 0 < correct.mean() < 1 else None),
+        }  # fmt: skip
+
+    trained = best_of_figures(level, max_new, train_len, jax.random.key(seed + 9))
+    # A level-(L+1) solution has one more step: more room to write it and to score it.
+    harder = best_of_figures(level + 1, max_new + 16, config.max_seq_len,
+                             jax.random.key(seed + 10))  # fmt: skip
     return {
         "prm_step_roc_auc": auc,
-        "prm_best_of_n": dict(bon, n=best_of, problems=m),
-        "prm_best_of_n_by_aggregation": {
-            how: {k: v for k, v in r.items() if k in ("reranked", "weighted_vote")}
-            for how, r in by_aggregation.items()
-        },
-        "prm_best_of_n_oracle": float(correct.reshape(m, best_of).any(axis=1).mean()),
+        "prm_best_of_n": trained["best_of_n"],
+        "prm_best_of_n_by_aggregation": trained["by_aggregation"],
+        "prm_best_of_n_next_level": harder["best_of_n"],
+        "prm_best_of_n_next_level_by_aggregation": harder["by_aggregation"],
         "prm_likelihood": likelihood,
-        "prm_solution_roc_auc_on_samples": sample_auc,
+        "prm_solution_roc_auc_on_samples": trained["solution_auc"],
+        "prm_solution_roc_auc_on_samples_next_level": harder["solution_auc"],
         "prm_label_samples": labels.samples,
         "prm_train_examples": len(keep),
         "prm_sft_steps": sft_steps,
