@@ -50,10 +50,14 @@ class _ScalarHead(nnx.Module):
         self.head_w = _param(rngs, (config.d_model,), ("embed",), std=config.d_model**-0.5)
         self.head_b = _param(rngs, (), (), value=jnp.zeros((), jnp.float32))
 
+    def _head(self, hidden: jax.Array) -> jax.Array:
+        """[B, T, D] hidden states to one float32 scalar per token [B, T]."""
+        return jnp.einsum("btd,d->bt", hidden, self.head_w[...]) + self.head_b[...]
+
     def token_scores(self, tokens, positions=None, mask=None, segment_ids=None) -> jax.Array:
         """One float32 scalar per token [B, T]."""
         hidden, _ = self.trunk(tokens, positions, mask, segment_ids)
-        return jnp.einsum("btd,d->bt", hidden, self.head_w[...]) + self.head_b[...]
+        return self._head(hidden)
 
 
 class ValueModel(_ScalarHead):
@@ -117,7 +121,7 @@ class RewardModel(_ScalarHead, _LikelihoodTerm):
         if mask is None:
             mask = jnp.ones(tokens.shape, bool)
         hidden, _ = self.trunk(tokens, positions, mask, segment_ids)  # [B, T, D]
-        scores = jnp.einsum("btd,d->bt", hidden, self.head_w[...]) + self.head_b[...]
+        scores = self._head(hidden)
         out = jnp.take_along_axis(scores, last_token_index(mask)[:, None], axis=1)[:, 0]  # [B]
         if not self.likelihood:
             return out
@@ -163,7 +167,7 @@ class ProcessRewardModel(_ScalarHead, _LikelihoodTerm):
             mask = jnp.ones(tokens.shape, bool)
         mask = mask.astype(bool)
         hidden, _ = self.trunk(tokens, positions, mask, segment_ids)  # [B, T, D]
-        scores = jnp.einsum("btd,d->bt", hidden, self.head_w[...]) + self.head_b[...]
+        scores = self._head(hidden)
         step_mask = (tokens == self.step_token_id) & mask
         if not self.likelihood:
             return scores, step_mask

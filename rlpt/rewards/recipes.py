@@ -371,14 +371,13 @@ def process_reward_figures(
         correct = np.asarray([r.correct for r in dom.verify_batch(flat_tasks, flat)])
         answers = [[extract_answer(c) for c in row] for row in cand]
         m = len(tasks)
-        by_aggregation = {}
+        # "min" is the solution score fixed beforehand; the others are for comparison.
+        by_aggregation, scores = {}, {}
         for how in ("min", "product", "last"):
-            agg = np.zeros(len(flat))
-            agg[ok] = solution_score(step_probs, ex["label_mask"], how)
-            by_aggregation[how] = best_of_n(agg.reshape(m, best_of),
+            scores[how] = np.zeros(len(flat))
+            scores[how][ok] = solution_score(step_probs, ex["label_mask"], how)
+            by_aggregation[how] = best_of_n(scores[how].reshape(m, best_of),
                                             correct.reshape(m, best_of), answers)  # fmt: skip
-            if how == "min":  # the solution score fixed beforehand; the others for comparison
-                scores = agg
         return {
             "best_of_n": dict(by_aggregation["min"], n=best_of, problems=m, level=level,
                               oracle=float(correct.reshape(m, best_of).any(axis=1).mean())),
@@ -387,7 +386,7 @@ def process_reward_figures(
                 for how, r in by_aggregation.items()
             },
             # How well the PRM separates the policy's own right and wrong solutions.
-            "solution_auc": (roc_auc(scores, correct.astype(np.float32))
+            "solution_auc": (roc_auc(scores["min"], correct.astype(np.float32))
                              if 0 < correct.mean() < 1 else None),
         }  # fmt: skip
 
