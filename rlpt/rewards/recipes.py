@@ -285,12 +285,22 @@ def reward_model_figures(
 
 
 def process_reward_figures(
-    seed: int = 0, level: int = 2, sft_steps: int = 1200, prm_steps: int = 1200,
+    seed: int = 0, level: int = 2, sft_steps: int = 500, prm_steps: int = 600,
     n_label_tasks: int = 2000, n_continuations: int = 4, best_of: int = 8,
-    samples_per_task: int = 4, likelihood: bool = True, best_of_tasks: int = 300,
+    samples_per_task: int = 4, likelihood: bool = True, best_of_tasks: int = 600,
+    label_kind: str = "hard", prm_learning_rate: float = 3e-5,
 ) -> dict[str, Any]:  # fmt: skip
     """Warm-start a policy, label its samples (and planted-error variants of demonstrations)
-    the Math-Shepherd way, train a PRM, and measure step ROC-AUC and best-of-N reranking."""
+    the Math-Shepherd way, train a PRM, and measure step ROC-AUC and best-of-N reranking.
+
+    The policy's 500 supervised steps leave it right about two times in three when
+    sampled: enough mistakes for reranking to have something to fix (after 1200 steps
+    majority voting was within 2.3 points of the oracle). The PRM fine-tunes the policy
+    gently: at a learning rate of 1e-3 the within-problem ordering of right and wrong
+    solutions fell during training (pair accuracy 0.72 at the start, 0.65 after), as the
+    trunk lost the arithmetic it starts with; at 3e-5 it rose to 0.78. Hard labels (does
+    any continuation reach the answer) judge the step itself rather than how often the
+    policy finishes from it."""
     from rlpt.tasks import get_domain
 
     start = time.time()
@@ -331,14 +341,16 @@ def process_reward_figures(
         sampler, policy, dom, label_tasks, completions, tok, jax.random.key(seed + 1),
         n_continuations=n_continuations, max_new_tokens=max_new,
     )  # fmt: skip
-    keep = [i for i in range(len(completions)) if labels.soft[i]]
+    targets = {"soft": labels.soft, "hard": labels.hard}[label_kind]
+    keep = [i for i in range(len(completions)) if targets[i]]
     examples = encode_step_examples(
         tok, [label_tasks[i].prompt for i in keep], [completions[i] for i in keep],
-        [labels.soft[i] for i in keep], max_len=train_len, pad_to=train_len,
+        [targets[i] for i in keep], max_len=train_len, pad_to=train_len,
     )  # fmt: skip
     prm_graph, prm_params, _ = train_prm(
-        config, examples, tok, steps=prm_steps, seed=seed, policy=policy, likelihood=likelihood
-    )
+        config, examples, tok, steps=prm_steps, seed=seed, policy=policy, likelihood=likelihood,
+        learning_rate=prm_learning_rate,
+    )  # fmt: skip
 
     held = dom.tasks("heldout", 150, level, seed=seed)
     texts, step_labels = planted_error_solutions(dom, held, seed=seed + 7)
@@ -401,6 +413,8 @@ def process_reward_figures(
         "prm_best_of_n_next_level": harder["best_of_n"],
         "prm_best_of_n_next_level_by_aggregation": harder["by_aggregation"],
         "prm_likelihood": likelihood,
+        "prm_labels": label_kind,
+        "prm_learning_rate": prm_learning_rate,
         "prm_solution_roc_auc_on_samples": trained["solution_auc"],
         "prm_solution_roc_auc_on_samples_next_level": harder["solution_auc"],
         "prm_label_samples": labels.samples,
@@ -422,6 +436,8 @@ def main(argv: Sequence[str]) -> None:
         result.update(process_reward_figures(
             _SEED.value, sft_steps=_PRM_SFT_STEPS.value, prm_steps=_PRM_STEPS.value,
             n_label_tasks=_PRM_LABEL_TASKS.value, likelihood=_PRM_LIKELIHOOD.value,
+            label_kind=_PRM_LABELS.value, best_of_tasks=_PRM_BEST_OF_TASKS.value,
+            prm_learning_rate=_PRM_LEARNING_RATE.value,
         ))  # fmt: skip
     print(json.dumps(result))
 
@@ -435,12 +451,23 @@ _RM_SFT_STEPS = flags.DEFINE_integer(
 _PRM_LABEL_TASKS = flags.DEFINE_integer(
     "prm_label_tasks", 2000, "Train problems whose solutions (sampled and planted) are labelled."
 )
-_PRM_STEPS = flags.DEFINE_integer("prm_steps", 1200, "PRM cross-entropy optimiser steps.")
+_PRM_STEPS = flags.DEFINE_integer("prm_steps", 600, "PRM cross-entropy optimiser steps.")
 _PRM_LIKELIHOOD = flags.DEFINE_bool(
     "prm_likelihood", True, "Add each step's log-likelihood under the policy to its PRM score."
 )
+_PRM_LEARNING_RATE = flags.DEFINE_float(
+    "prm_learning_rate", 3e-5, "Peak learning rate of PRM training."
+)
+_PRM_LABELS = flags.DEFINE_enum(
+    "prm_labels", "hard", ["soft", "hard"],
+    "Math-Shepherd label the PRM trains on: the fraction of continuations that reach the "
+    "verified answer (soft) or whether any does (hard).",
+)  # fmt: skip
+_PRM_BEST_OF_TASKS = flags.DEFINE_integer(
+    "prm_best_of_tasks", 600, "Held-out problems for best-of-N, at each level."
+)
 _PRM_SFT_STEPS = flags.DEFINE_integer(
-    "prm_sft_steps", 1200, "Supervised steps of the policy that labels steps and seeds the PRM."
+    "prm_sft_steps", 500, "Supervised steps of the policy that labels steps and seeds the PRM."
 )
 
 if __name__ == "__main__":
