@@ -89,6 +89,9 @@ EVAL_EVERY = 4
 LABEL_SOLUTIONS = 128  # solutions sampled for Math-Shepherd labels
 LABEL_CONTINUATIONS = 4
 PRM_STEPS = 300
+# As in the PRM recipe (rlpt.rewards.recipes): hard labels judge the step itself, and a
+# small learning rate keeps the arithmetic the policy's trunk starts with.
+PRM_LEARNING_RATE = 3e-5
 PROCESS_WEIGHT = 0.5
 PAD = 64  # training rows (prompt and solution) fit in 64 tokens at this level
 
@@ -223,7 +226,7 @@ def main() -> dict:
     label_samples += planted_labels.samples
     all_tasks = list(label_tasks) + planted_tasks
     all_texts = solutions + planted
-    all_labels = labels.soft + planted_labels.soft
+    all_labels = labels.hard + planted_labels.hard
     keep = [
         i for i, lab in enumerate(all_labels)
         if lab and len(encode_sequence(tok, all_tasks[i].prompt, all_texts[i])) <= PAD
@@ -234,7 +237,7 @@ def main() -> dict:
     )  # fmt: skip
     prm_graph, prm_params, prm_metrics = train_prm(
         config, examples, tok, steps=PRM_STEPS, batch_size=32, seed=SEED, policy=sft_params,
-        likelihood=True,
+        likelihood=True, learning_rate=PRM_LEARNING_RATE,
     )  # fmt: skip
     held = domain.tasks("heldout", 64, LEVEL, seed=SEED + 5)
     texts, step_labels = planted_error_solutions(domain, held, seed=SEED)
