@@ -303,6 +303,8 @@ def process_reward_figures(
     policy finishes from it."""
     from rlpt.tasks import get_domain
 
+    if label_kind not in ("soft", "hard"):
+        raise ValueError(f"label_kind must be 'soft' or 'hard', got {label_kind!r}")
     start = time.time()
     tok = ByteTokenizer()
     dom = get_domain("stepwise_math")
@@ -341,7 +343,7 @@ def process_reward_figures(
         sampler, policy, dom, label_tasks, completions, tok, jax.random.key(seed + 1),
         n_continuations=n_continuations, max_new_tokens=max_new,
     )  # fmt: skip
-    targets = {"soft": labels.soft, "hard": labels.hard}[label_kind]
+    targets = getattr(labels, label_kind)
     keep = [i for i in range(len(completions)) if targets[i]]
     examples = encode_step_examples(
         tok, [label_tasks[i].prompt for i in keep], [completions[i] for i in keep],
