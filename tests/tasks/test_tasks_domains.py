@@ -127,7 +127,7 @@ def test_difficulty_grows_problem_size():
 
 def test_program_synthesis_prompt_shape():
     task = ProgramSynthesisDomain().generate("train", 0, 1)
-    assert task.prompt.startswith("f(1)=") and task.prompt.endswith(" f=")
+    assert task.prompt.startswith("f(0)=") and task.prompt.endswith(" f=")
     assert task.answer.startswith("lambda x: ")
     inputs = [x for (x,) in task.data["inputs"]]
     assert {0, -1, 10**9} <= set(inputs)  # zero, negatives and large values are tested
