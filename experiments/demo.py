@@ -68,6 +68,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rollout.max_new_tokens = 40
     config.rollout.temperature = 1.0
     config.rollout.buckets = (16, 32, 64)
+    # DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage under
+    # GRPO and only costs update time, so more prompt batches are drawn (at most
+    # filter_max_rounds per step) until every group in the update varies.
+    config.rollout.filter_groups = False
+    config.rollout.filter_max_rounds = 4
     config.ppo_steps = 300
 
     config.ppo = ml_collections.ConfigDict()

@@ -261,6 +261,69 @@ def make_reward(config: ml_collections.ConfigDict) -> CompositeReward:
     })  # fmt: skip
 
 
+def check_rollout_config(config: ml_collections.ConfigDict, ppo_cfg: PPOConfig) -> None:
+    """Errors in ``config.rollout`` that would otherwise surface mid-run."""
+    r = config.rollout
+    if r.get("filter_groups", False):
+        if ppo_cfg.uses_critic:
+            raise ValueError(
+                "rollout.filter_groups drops groups whose rewards are all equal, which only "
+                "have zero advantage under a group estimator; ppo.estimator is "
+                f"{ppo_cfg.estimator!r} (use grpo, dr_grpo or rloo)"
+            )
+        if int(r.get("filter_max_rounds", 1)) < 1:
+            raise ValueError(f"rollout.filter_max_rounds must be >= 1, got {r.filter_max_rounds}")
+
+
+def group_varies(rewards: np.ndarray, valid: np.ndarray, group_size: int) -> np.ndarray:
+    """``[B / group_size]`` bool: do a group's valid rewards differ at all?
+
+    ``rewards`` and ``valid`` are ``[B]`` with each group in consecutive rows. A group
+    with fewer than two valid samples does not vary.
+    """
+    r = np.asarray(rewards, np.float64).reshape(-1, group_size)  # [G, group_size]
+    ok = np.asarray(valid).reshape(-1, group_size) > 0
+    high = np.where(ok, r, -np.inf).max(axis=1)
+    low = np.where(ok, r, np.inf).min(axis=1)
+    return (ok.sum(axis=1) > 1) & (high > low)
+
+
+@dataclasses.dataclass
+class _Rollout:
+    """One PPO step's samples: the update's rows (``[B]`` arrays, ``tokens``/``mask``
+    ``[B, max_new_tokens]``) and, as ``all_*``, every sample generated for the step."""
+
+    ids: list
+    tasks: list
+    names: list
+    texts: list
+    results: list
+    tokens: np.ndarray
+    mask: np.ndarray
+    lengths: np.ndarray
+    truncated: np.ndarray
+    rewards: np.ndarray
+    weight: np.ndarray
+    success: np.ndarray
+    valid: np.ndarray
+    loss_weight: np.ndarray
+    domain_index: np.ndarray
+    difficulty: np.ndarray
+    group_id: np.ndarray
+    left_out: Feedback  # the uniform groups generated but not in the update
+    left_out_valid: np.ndarray
+    all_domain_index: np.ndarray
+    all_success: np.ndarray
+    all_rewards: np.ndarray
+    all_valid: np.ndarray
+    all_truncated: np.ndarray
+    rounds: int
+    informative_frac: float  # generated groups whose valid rewards vary
+    update_informative_frac: float  # groups in the update whose valid rewards vary
+    generate_s: float
+    verify_s: float
+
+
 # -- the run -----------------------------------------------------------------------------------
 
 
@@ -279,6 +342,7 @@ class PostTrainRun:
         learned_rewards.check_config(config)
         lora_config(config)
         self.ppo_cfg = ppo_config(config)
+        check_rollout_config(config, self.ppo_cfg)
         self.model_cfg = model_config(config)
         self.domains = make_domains(config)
         self._check_workdir()
@@ -701,38 +765,24 @@ class PostTrainRun:
             t0 = time.perf_counter()
             step = self.meta["step"] + 1
             self.profiler.start(step)
-            pb = self.loader.next()
-            ids = [row[m] for row, m in zip(pb.tokens, pb.mask)]
-            out = self.sampler.generate(
-                full_policy(self.state.policy, self.base_params), ids,
-                jax.random.fold_in(self.keys["rollout"], step),
-                max_new_tokens=c.rollout.max_new_tokens, sampling=sampling,
-            )  # fmt: skip
-            t_gen = time.perf_counter()
-            texts = [
-                decode_response(self.tokenizer, out.tokens[i, : out.lengths[i]])
-                for i in range(len(ids))
-            ]
-            names = [self.loader.names[d] for d in pb.domain_index]
-            results = self.verifier.verify(names, pb.tasks, texts)
-            t_ver = time.perf_counter()
-            rewards, weight, success, valid = self._rewards(pb.tasks, texts, results)
-            prompt_tokens, prompt_mask = self.sampler.prepare(ids, c.rollout.max_new_tokens)
+            ro = self._collect_rollout(step, sampling)
+            t_collected = time.perf_counter()
+            prompt_tokens, prompt_mask = self.sampler.prepare(ro.ids, c.rollout.max_new_tokens)
             # Most responses stop well before max_new_tokens, and the update's cost grows
             # with the padded width: cut to the longest response, rounded up to a multiple
             # of 8 so at most a few widths compile. Masked positions add nothing to any loss.
-            width = min(c.rollout.max_new_tokens, -(-max(int(out.lengths.max()), 1) // 8) * 8)
+            width = min(c.rollout.max_new_tokens, -(-max(int(ro.lengths.max()), 1) // 8) * 8)
             batch = new_rollout_batch(
-                prompt_tokens, prompt_mask, out.tokens[:, :width], out.mask[:, :width],
-                sequence_rewards=rewards,
-                loss_weight=pb.loss_weight * weight, group_id=pb.group_id,
-                truncated=out.truncated, step_token_id=self.tokenizer.step_id,
+                prompt_tokens, prompt_mask, ro.tokens[:, :width], ro.mask[:, :width],
+                sequence_rewards=ro.rewards,
+                loss_weight=ro.loss_weight * ro.weight, group_id=ro.group_id,
+                truncated=ro.truncated, step_token_id=self.tokenizer.step_id,
             )  # fmt: skip
             batch = self.trainer.score(self.state, self.ref_params, batch)
             learned_metrics, confidence = {}, None
             if self.learned.active:
                 batch, learned_metrics, confidence = self.learned.apply(
-                    batch, names, success, valid
+                    batch, ro.names, ro.success, ro.valid
                 )
             batch = self.trainer.advantages(self.state, batch)
             jax.block_until_ready(batch.advantages)
@@ -741,35 +791,41 @@ class PostTrainRun:
             adv = np.asarray(batch.advantages)
             mask = np.asarray(batch.response_mask)
             abs_adv = np.abs(adv * mask).sum(1) / np.maximum(mask.sum(1), 1.0)
-            keep = valid.astype(bool)
+            keep = ro.valid.astype(bool)
+            skip = ro.left_out_valid
             self.loader.update(Feedback(
-                domain_index=pb.domain_index[keep], success=success[keep],
-                reward=rewards[keep], abs_advantage=abs_adv[keep],
-                difficulty=pb.difficulty[keep], confidence=confidence,
+                domain_index=np.concatenate([ro.domain_index[keep],
+                                             ro.left_out.domain_index[skip]]),
+                success=np.concatenate([ro.success[keep], ro.left_out.success[skip]]),
+                reward=np.concatenate([ro.rewards[keep], ro.left_out.reward[skip]]),
+                abs_advantage=np.concatenate([abs_adv[keep], ro.left_out.abs_advantage[skip]]),
+                difficulty=np.concatenate([ro.difficulty[keep], ro.left_out.difficulty[skip]]),
+                confidence=confidence,
             ))  # fmt: skip
             update_metrics = jax.device_get(update_metrics)
             # The reward model learns from this rollout's verdicts; refreshed, it scores the next.
             learned_metrics.update(self.learned.observe(
-                step, pb.tasks, texts, results, jax.random.fold_in(self.keys["rm_refresh"], step)
+                step, ro.tasks, ro.texts, ro.results,
+                jax.random.fold_in(self.keys["rm_refresh"], step),
             ))  # fmt: skip
             self.profiler.stop(step, self.state)
             t_upd = time.perf_counter()
             self.meta["step"] = step
             self.meta["stage_step"] += 1
             metrics = {f"ppo/{k}": v for k, v in update_metrics.items()}
-            metrics.update(self._rollout_metrics(pb, rewards, success, valid, out))
+            metrics.update(self._rollout_metrics(ro))
             metrics.update(learned_metrics)
             metrics.update(self.loader.metrics())
             flops = rl_step_model_flops(
-                self.n_policy_params, len(ids), prompt_tokens.shape[1], width,
-                int(out.lengths.sum()), epochs=self.ppo_cfg.epochs,
+                self.n_policy_params, len(ro.ids), prompt_tokens.shape[1], width,
+                int(ro.lengths.sum()), epochs=self.ppo_cfg.epochs,
                 critic=self.ppo_cfg.uses_critic,
             )  # fmt: skip
             metrics.update({
-                "time/generate_s": t_gen - t0, "time/verify_s": t_ver - t_gen,
-                "time/score_s": t_score - t_ver, "time/update_s": t_upd - t_score,
+                "time/generate_s": ro.generate_s, "time/verify_s": ro.verify_s,
+                "time/score_s": t_score - t_collected, "time/update_s": t_upd - t_score,
                 "time/step_s": t_upd - t0,
-                "time/tokens_per_s": float(out.lengths.sum()) / (t_upd - t0),
+                "time/tokens_per_s": float(ro.lengths.sum()) / (t_upd - t0),
                 "time/model_flops_per_s": flops / (t_upd - t0),
                 "time/mfu": flops / (t_upd - t0) / self._peak_flops(),
             })  # fmt: skip
@@ -785,6 +841,103 @@ class PostTrainRun:
             if stop is not None and step >= stop and not last:
                 return False
         return True
+
+    def _collect_rollout(self, step: int, sampling: SamplingParams) -> _Rollout:
+        """Samples, decodes and scores one step's rollouts.
+
+        With ``rollout.filter_groups`` (DAPO's dynamic sampling), a group whose valid
+        rewards are all equal (all right or all wrong) has zero advantage under a
+        group-relative estimator and only costs update time; prompt batches are drawn
+        until the update's ``batch_size / group_size`` groups all vary, or for at most
+        ``rollout.filter_max_rounds`` rounds, after which uniform groups fill the rest.
+        """
+        c = self.config
+        group_size = c.rollout.group_size
+        need = c.rollout.batch_size // group_size
+        rounds = c.rollout.get("filter_max_rounds", 1) if c.rollout.get("filter_groups") else 1
+        key = jax.random.fold_in(self.keys["rollout"], step)
+        parts: list[dict[str, Any]] = []
+        generate_s = verify_s = 0.0
+        informative: list[tuple[int, int]] = []  # (part, group) in generation order
+        uniform: list[tuple[int, int]] = []
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            pb = self.loader.next()
+            ids = [row[m] for row, m in zip(pb.tokens, pb.mask)]
+            sampled = self.sampler.generate(
+                full_policy(self.state.policy, self.base_params), ids,
+                key if r == 0 else jax.random.fold_in(key, r),
+                max_new_tokens=c.rollout.max_new_tokens, sampling=sampling,
+            )  # fmt: skip
+            out = {f: np.asarray(getattr(sampled, f))
+                   for f in ("tokens", "mask", "lengths", "truncated")}  # fmt: skip
+            t1 = time.perf_counter()
+            texts = [
+                decode_response(self.tokenizer, out["tokens"][i, : out["lengths"][i]])
+                for i in range(len(ids))
+            ]
+            names = [self.loader.names[d] for d in pb.domain_index]
+            results = self.verifier.verify(names, pb.tasks, texts)
+            rewards, weight, success, valid = self._rewards(pb.tasks, texts, results)
+            verify_s += time.perf_counter() - t1
+            generate_s += t1 - t0
+            parts.append(dict(pb=pb, ids=ids, out=out, texts=texts, names=names,
+                              results=results, rewards=rewards, weight=weight,
+                              success=success, valid=valid))  # fmt: skip
+            for g, varies in enumerate(group_varies(rewards, valid, group_size)):
+                (informative if varies else uniform).append((r, g))
+            if len(informative) >= need:
+                break
+        chosen = sorted(informative[:need] + uniform[: max(need - len(informative), 0)])
+        rows = [(r, g * group_size + j) for r, g in chosen for j in range(group_size)]
+        # The curriculum also hears of the uniform groups left out (their advantage is
+        # exactly zero); surplus varying groups of the last round are dropped unseen.
+        left_out = [
+            (r, g * group_size + j) for r, g in uniform if (r, g) not in chosen
+            for j in range(group_size)
+        ]  # fmt: skip
+
+        def pick(field: str, which=rows) -> list:
+            return [parts[r][field][i] for r, i in which]
+
+        def pick_pb(attr: str, which=rows) -> np.ndarray:
+            return np.asarray([getattr(parts[r]["pb"], attr)[i] for r, i in which])
+
+        def pick_out(field: str) -> np.ndarray:
+            return np.stack([parts[r]["out"][field][i] for r, i in rows])
+
+        every = [(r, i) for r, part in enumerate(parts) for i in range(len(part["ids"]))]
+        return _Rollout(
+            ids=pick("ids"), tasks=[parts[r]["pb"].tasks[i] for r, i in rows],
+            names=pick("names"), texts=pick("texts"), results=pick("results"),
+            tokens=pick_out("tokens"), mask=pick_out("mask"), lengths=pick_out("lengths"),
+            truncated=pick_out("truncated"),
+            rewards=np.asarray(pick("rewards"), np.float32),
+            weight=np.asarray(pick("weight"), np.float32),
+            success=np.asarray(pick("success"), np.float32),
+            valid=np.asarray(pick("valid"), np.float32),
+            loss_weight=pick_pb("loss_weight").astype(np.float32),
+            domain_index=pick_pb("domain_index").astype(np.int32),
+            difficulty=pick_pb("difficulty").astype(np.int32),
+            group_id=np.repeat(np.arange(len(chosen)), group_size).astype(np.int32),
+            left_out=Feedback(
+                domain_index=pick_pb("domain_index", left_out).astype(np.int32),
+                success=np.asarray(pick("success", left_out), np.float32),
+                reward=np.asarray(pick("rewards", left_out), np.float32),
+                abs_advantage=np.zeros(len(left_out), np.float32),
+                difficulty=pick_pb("difficulty", left_out).astype(np.int32),
+            ),
+            left_out_valid=np.asarray(pick("valid", left_out), bool),
+            all_domain_index=pick_pb("domain_index", every).astype(np.int32),
+            all_success=np.asarray(pick("success", every), np.float32),
+            all_rewards=np.asarray(pick("rewards", every), np.float32),
+            all_valid=np.asarray(pick("valid", every), np.float32),
+            all_truncated=np.asarray([parts[r]["out"]["truncated"][i] for r, i in every], bool),
+            rounds=len(parts),
+            informative_frac=len(informative) / max(len(informative) + len(uniform), 1),
+            update_informative_frac=min(len(informative), need) / need,
+            generate_s=generate_s, verify_s=verify_s,
+        )  # fmt: skip
 
     def _rewards(self, tasks, texts, results):
         """Per-sequence reward, loss-weight factor, success and validity arrays [B]."""
@@ -810,17 +963,24 @@ class PostTrainRun:
             success[i] = float(res.correct)
         return rewards, weight, success, valid
 
-    def _rollout_metrics(self, pb, rewards, success, valid, out) -> dict[str, Any]:
+    def _rollout_metrics(self, ro: _Rollout) -> dict[str, Any]:
+        """What the policy did this step: over every sample generated, whether or not
+        group filtering kept it for the update."""
+        valid, success = ro.all_valid > 0, ro.all_success
         m: dict[str, Any] = {
-            "ppo/score": float(rewards[valid > 0].mean()) if valid.any() else float("nan"),
-            "ppo/success": float(success[valid > 0].mean()) if valid.any() else float("nan"),
-            "ppo/truncated_frac": float(np.mean(out.truncated)),
+            "ppo/score": float(ro.all_rewards[valid].mean()) if valid.any() else float("nan"),
+            "ppo/success": float(success[valid].mean()) if valid.any() else float("nan"),
+            "ppo/truncated_frac": float(np.mean(ro.all_truncated)),
             "ppo/sandbox_failures": self.meta["counters"]["sandbox_failures"],
             "ppo/nonfinite_rewards": self.meta["counters"]["nonfinite_rewards"],
-            "ppo/dropped_samples": int((valid == 0).sum()),
+            "ppo/dropped_samples": int((ro.valid == 0).sum()),
+            "ppo/varying_groups_frac": ro.informative_frac,
         }
+        if self.config.rollout.get("filter_groups", False):
+            m["ppo/rollout_rounds"] = ro.rounds
+            m["ppo/update_varying_groups_frac"] = ro.update_informative_frac
         for d, name in enumerate(self.loader.names):
-            rows = (pb.domain_index == d) & (valid > 0)
+            rows = (ro.all_domain_index == d) & valid
             if rows.any():
                 m[f"ppo/{name}/success"] = float(success[rows].mean())
         return m
@@ -1056,6 +1216,8 @@ def evaluate_policy(
 __all__ = [
     "PostTrainRun",
     "RUN_CONTROL_FIELDS",
+    "check_rollout_config",
+    "group_varies",
     "build_policy",
     "evaluate_checkpoint",
     "evaluate_policy",

@@ -11,9 +11,12 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from rlpt import train
+from rlpt.rl import PPOTrainer
+from rlpt.trainers import post_train
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -181,3 +184,61 @@ def test_eval_cli_evaluates_the_latest_checkpoint(reference_run):
     assert set(result["results"]["heldout"]) == set(summary["eval"]["final"])
     assert "pass@1" in proc.stderr  # the table
     assert os.path.exists(os.path.join(workdir, f"eval_step_{result['step']}.json"))
+
+
+def test_group_varies_by_hand():
+    # Groups of 3: mixed; all equal; equal once the invalid sample is ignored;
+    # one valid sample only; partial rewards that differ.
+    rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0.5, 0.25, 0.5], np.float32)
+    valid = np.array([1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1], np.float32)
+    assert post_train.group_varies(rewards, valid, 3).tolist() == [
+        True, False, False, False, True
+    ]  # fmt: skip
+
+
+def test_group_filtering_needs_a_group_estimator(tmp_path):
+    config = _demo_config(**{"rollout.filter_groups": True, "ppo.estimator": "gae"})
+    with pytest.raises(ValueError, match="rollout.filter_groups.*'gae'"):
+        train.train_and_evaluate(config, str(tmp_path))
+    assert not os.path.exists(tmp_path / "run_config.json")  # refused before claiming it
+
+
+def test_group_filtering_fills_the_update_with_varying_groups(tmp_path, monkeypatch):
+    # runlocal: 8 rows per update in groups of 4, so two groups are needed. The verifier's
+    # rewards are replaced per round: round 0 has no varying group, round 1 one (rewards
+    # 11..14), round 2 two (21..24 and 31..34); the update must hold 11..14 and 21..24.
+    planted = [
+        np.zeros(8),
+        np.array([11, 12, 13, 14, 0, 0, 0, 0]),
+        np.array([21, 22, 23, 24, 31, 32, 33, 34]),
+    ]
+    calls = []
+
+    def fake_rewards(self, tasks, texts, results):
+        r = planted[len(calls) % 3].astype(np.float32)
+        calls.append(len(tasks))
+        ones = np.ones(len(tasks), np.float32)
+        return r, ones, np.zeros(len(tasks), np.float32), ones
+
+    updated = []
+    real_update = PPOTrainer.update
+
+    def spy_update(self, state, batch):
+        updated.append((np.asarray(batch.rewards).sum(axis=1).round(), np.asarray(batch.group_id)))
+        return real_update(self, state, batch)
+
+    monkeypatch.setattr(post_train.PostTrainRun, "_rewards", fake_rewards)
+    monkeypatch.setattr(PPOTrainer, "update", spy_update)
+    config = _demo_config(
+        **{"rollout.filter_groups": True, "rollout.filter_max_rounds": 3, "ppo_steps": 2,
+           "rewards.format": 0.0}
+    )  # fmt: skip
+    train.train_and_evaluate(config, str(tmp_path))
+    assert calls == [8] * 6  # three rounds in each of the two steps
+    for rewards, group_ids in updated:
+        assert rewards.tolist() == [11, 12, 13, 14, 21, 22, 23, 24]
+        assert group_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    ppo = [r for r in _read_jsonl(tmp_path / "metrics.jsonl") if r.get("stage") == "ppo"]
+    assert [r["ppo/rollout_rounds"] for r in ppo] == [3, 3]
+    assert [r["ppo/varying_groups_frac"] for r in ppo] == [0.5, 0.5]  # 3 of 6 generated
+    assert [r["ppo/update_varying_groups_frac"] for r in ppo] == [1.0, 1.0]
