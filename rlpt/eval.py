@@ -255,6 +255,9 @@ class Evaluator:
                     "pass@1": p1,
                     "pass@1_se": p1_se,
                     "items": len(tasks),
+                    # Small levels (one-digit sums, ~10 held-out level-1 functions) repeat
+                    # prompts: items are drawn from the held-out partition with replacement.
+                    "distinct_items": len({t.prompt for t in tasks}),
                     "sandbox_failures": int(len(valid) - sum(valid)),
                     "truncated": float(np.mean(truncated)),
                 }
@@ -302,14 +305,18 @@ def flatten_results(results: Mapping[str, Any], k: int) -> dict[str, float]:
 
 def format_table(results: Mapping[str, Any], k: int) -> str:
     """A readable table: one row per (split, domain)."""
-    header = f"{'split':8} {'domain':20} {'items':>5} {'pass@1':>15} {f'pass@{k}':>15} {'fail':>4}"
+    header = (
+        f"{'split':8} {'domain':20} {'items':>5} {'uniq':>5} {'pass@1':>15} {f'pass@{k}':>15} "
+        f"{'fail':>4}"
+    )
     lines = [header, "-" * len(header)]
     for split, by_domain in results.items():
         for name, r in sorted(by_domain.items()):
             p1 = f"{r['pass@1']:.3f}±{r['pass@1_se']:.3f}"
             pk = f"{r[f'pass@{k}']:.3f}±{r[f'pass@{k}_se']:.3f}" if f"pass@{k}" in r else "-"
             lines.append(
-                f"{split:8} {name:20} {r['items']:>5} {p1:>15} {pk:>15} {r['sandbox_failures']:>4}"
+                f"{split:8} {name:20} {r['items']:>5} {r.get('distinct_items', r['items']):>5} "
+                f"{p1:>15} {pk:>15} {r['sandbox_failures']:>4}"
             )
     return "\n".join(lines)
 

@@ -183,6 +183,13 @@ def test_eval_cli_evaluates_the_latest_checkpoint(reference_run):
     assert result["stage"] == "ppo" and result["k"] == 2
     assert set(result["results"]["heldout"]) == set(summary["eval"]["final"])
     assert "pass@1" in proc.stderr  # the table
+    # Repeated prompts are counted: items are drawn from the held-out partition.
+    config = _demo_config()
+    sets = post_train.make_eval_data(config, post_train.make_domains(config))
+    for name, tasks in sets["heldout"].items():
+        got = result["results"]["heldout"][name]
+        assert got["items"] == len(tasks)
+        assert got["distinct_items"] == len({t.prompt for t in tasks})
     assert os.path.exists(os.path.join(workdir, f"eval_step_{result['step']}.json"))
 
 
