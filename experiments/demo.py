@@ -17,7 +17,8 @@ The ``mini`` model (about 1.9M parameters, byte tokens) learns ``arithmetic``,
 and is tested on 200 held-out items per domain at those levels, plus an OOD split at
 level 3. The warm start is a fixed rule: ``sft.token_budget`` completion tokens of
 domain demonstrations, in a seed-fixed order. RL then runs GRPO (groups of 8, KL to
-the SFT policy) for ``ppo_steps`` steps.
+the SFT policy) for ``ppo_steps`` steps, each updating on groups whose rewards vary
+(``rollout.filter_groups``).
 """
 
 from __future__ import annotations
@@ -71,9 +72,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage under
     # GRPO and only costs update time, so more prompt batches are drawn (at most
     # filter_max_rounds per step) until every group in the update varies.
-    config.rollout.filter_groups = False
+    config.rollout.filter_groups = True
     config.rollout.filter_max_rounds = 4
-    config.ppo_steps = 300
+    config.ppo_steps = 450
 
     config.ppo = ml_collections.ConfigDict()
     config.ppo.estimator = "grpo"  # "gae" trains the value model (critic) as well
@@ -85,7 +86,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.ppo.value_learning_rate = 1e-4
     config.ppo.schedule = "warmup_cosine"
     config.ppo.warmup_steps = 10
-    config.ppo.total_steps = 600  # optimiser steps: ppo_steps * epochs * num_minibatches
+    config.ppo.total_steps = 900  # optimiser steps: ppo_steps * epochs * num_minibatches
     config.ppo.end_lr_fraction = 0.3
     config.ppo.kl_coef = 0.05
     config.ppo.kl_placement = "loss"

@@ -9,7 +9,7 @@ the difference of ``wall_s`` and the SFT stage's end in its metrics) instead of 
 Launch:
 
     nice python -m rlpt.train --config=experiments/demo_controls.py:sft_more \\
-        --config.sft.continued_wall_s=600 --workdir=/tmp/rlpt_demo_sft_more
+        --config.sft.continued_wall_s=900 --workdir=/tmp/rlpt_demo_sft_more
     nice python -m rlpt.train --config=experiments/demo_controls.py:uniform \\
         --workdir=/tmp/rlpt_demo_uniform
 
@@ -39,7 +39,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     if variant == "sft_more":
         config.stages = ("sft", "sft_continued")
         # The demo's RL wall clock on this machine; override with the measured figure.
-        config.sft.continued_wall_s = 600.0 if "runlocal" not in parts else 2.0
+        config.sft.continued_wall_s = 900.0 if "runlocal" not in parts else 2.0
     else:
         config.curriculum.strategy = "uniform"
     return config

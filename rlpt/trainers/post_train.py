@@ -12,7 +12,9 @@ Stages, run in ``config.stages`` order with one global ``step`` across them:
 3. ``ppo``: rollouts from the curriculum loader, verifier rewards (program synthesis
    runs in the sandbox pool), PPO with a critic (``ppo.estimator='gae'``, the value
    trunk starts from the SFT policy) or critic-free GRPO/RLOO, KL to the reference,
-   periodic held-out evaluation, curriculum feedback every step.
+   periodic held-out evaluation, curriculum feedback every step. With
+   ``rollout.filter_groups`` a step draws prompt batches until the groups it updates on
+   all have rewards that differ (DAPO's dynamic sampling).
    ``sft_continued`` instead keeps training SFT for ``sft.continued_wall_s`` seconds
    (the control that gets RL's wall clock as more supervision).
 4. The final evaluation, merged into the last step's metrics line; ``summary.json``.
