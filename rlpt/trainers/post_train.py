@@ -271,7 +271,8 @@ def check_rollout_config(config: ml_collections.ConfigDict, ppo_cfg: PPOConfig) 
             raise ValueError(
                 "rollout.filter_groups drops groups whose rewards are all equal, which only "
                 "have zero advantage under a group estimator; ppo.estimator is "
-                f"{ppo_cfg.estimator!r} (use grpo, dr_grpo or rloo)"
+                f"{ppo_cfg.estimator!r} (use grpo, dr_grpo or rloo, or set "
+                "rollout.filter_groups=False)"
             )
         if int(r.get("filter_max_rounds", 1)) < 1:
             raise ValueError(f"rollout.filter_max_rounds must be >= 1, got {r.filter_max_rounds}")

@@ -25,6 +25,7 @@ LEARNED = {
     "rewards.process": 0.5,
     # A critic, so the process rewards reach the advantages token by token.
     "ppo.estimator": "gae",
+    "rollout.filter_groups": False,  # a group filter needs a group estimator
     # The reward model follows the policy; its optimiser state and traces are checkpointed.
     "reward_model.refresh_every": 2,
     "reward_model.refresh_batch_size": 4,
