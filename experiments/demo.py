@@ -62,6 +62,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sft.heldout_items = 64
     config.sft.log_every = 10
     config.sft.continued_wall_s = 0.0  # only the sft_continued control stage reads it
+    # > 0: held-out loss and the periodic greedy evaluation every this many SFT steps.
+    config.sft.eval_every = 0
 
     config.rollout = ml_collections.ConfigDict()
     config.rollout.batch_size = 64  # sequences per PPO step

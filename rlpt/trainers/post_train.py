@@ -743,6 +743,12 @@ class PostTrainRun:
                     self.state.params, *map(jnp.asarray, self.sft_heldout)
                 )
                 metrics.update(self._full_eval("final" if continued else "sft"))
+            elif c.get("eval_every", 0) and self.meta["stage_step"] % c.eval_every == 0:
+                # The held-out learning curve of supervised training, comparable with RL's.
+                metrics["sft/heldout_loss"] = self.sft_eval_loss(
+                    self.state.params, *map(jnp.asarray, self.sft_heldout)
+                )
+                metrics.update(self._periodic_eval())
             if metrics:
                 self._write(step, metrics, "sft")
             progress.update({k: metrics[k] for k in ("sft/loss",) if k in metrics})

@@ -249,3 +249,25 @@ def test_group_filtering_fills_the_update_with_varying_groups(tmp_path, monkeypa
     assert [r["ppo/rollout_rounds"] for r in ppo] == [3, 3]
     assert [r["ppo/varying_groups_frac"] for r in ppo] == [0.5, 0.5]  # 3 of 6 generated
     assert [r["ppo/update_varying_groups_frac"] for r in ppo] == [1.0, 1.0]
+
+
+def test_continued_sft_control_logs_a_heldout_learning_curve(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "demo_controls", os.path.join(REPO_ROOT, "experiments/demo_controls.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("sft_more,runlocal")
+    config.lock()
+    every, full = config.sft.eval_every, f"eval/arithmetic/pass@{config.eval.k}"
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    records = _read_jsonl(tmp_path / "metrics.jsonl")
+    # Full evaluations (with pass@k) end the warm start and the control; periodic ones
+    # (greedy only) fall every `every` steps of each SFT stage.
+    warm_end, last = [r["step"] for r in records if full in r]
+    assert last == records[-1]["step"]
+    periodic = [r for r in records if "eval/arithmetic/pass@1" in r and full not in r]
+    continued = [r["step"] - warm_end for r in periodic if r["step"] > warm_end]
+    assert continued and all(s % every == 0 for s in continued)
+    assert all("sft/heldout_loss" in r for r in periodic)
+    assert set(summary["eval"]["final"]) == set(config.domains)
