@@ -292,9 +292,9 @@ def group_varies(rewards: np.ndarray, valid: np.ndarray, group_size: int) -> np.
 
 
 @dataclasses.dataclass
-class _Rollout:
-    """One PPO step's samples: the update's rows (``[B]`` arrays, ``tokens``/``mask``
-    ``[B, max_new_tokens]``) and, as ``all_*``, every sample generated for the step."""
+class _Samples:
+    """Generated samples, one row each: ``[N]`` arrays, ``[N, max_new_tokens]`` for
+    ``tokens``/``mask``, and per-row lists."""
 
     ids: list
     tasks: list
@@ -312,14 +312,39 @@ class _Rollout:
     loss_weight: np.ndarray
     domain_index: np.ndarray
     difficulty: np.ndarray
+
+    def take(self, rows: np.ndarray) -> _Samples:
+        """The rows ``rows`` (indices into this set), in that order."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value[rows] if isinstance(value, np.ndarray) else [
+                value[i] for i in rows
+            ]  # fmt: skip
+        return _Samples(**out)
+
+    @staticmethod
+    def concat(parts: list[_Samples]) -> _Samples:
+        out = {}
+        for f in dataclasses.fields(_Samples):
+            values = [getattr(p, f.name) for p in parts]
+            out[f.name] = (
+                np.concatenate(values) if isinstance(values[0], np.ndarray)
+                else [v for vs in values for v in vs]
+            )  # fmt: skip
+        return _Samples(**out)
+
+
+@dataclasses.dataclass
+class _Rollout:
+    """One PPO step's samples: ``generated`` holds every row sampled for the step,
+    ``update`` the rows the update sees (groups consecutive, ids ``group_id``) and
+    ``left_out`` the uniform groups it does not (their advantage is exactly zero)."""
+
+    generated: _Samples
+    update: _Samples
+    left_out: _Samples
     group_id: np.ndarray
-    left_out: Feedback  # the uniform groups generated but not in the update
-    left_out_valid: np.ndarray
-    all_domain_index: np.ndarray
-    all_success: np.ndarray
-    all_rewards: np.ndarray
-    all_valid: np.ndarray
-    all_truncated: np.ndarray
     rounds: int
     informative_frac: float  # generated groups whose valid rewards vary
     update_informative_frac: float  # groups in the update whose valid rewards vary
@@ -775,23 +800,24 @@ class PostTrainRun:
             step = self.meta["step"] + 1
             self.profiler.start(step)
             ro = self._collect_rollout(step, sampling)
+            up = ro.update
             t_collected = time.perf_counter()
-            prompt_tokens, prompt_mask = self.sampler.prepare(ro.ids, c.rollout.max_new_tokens)
+            prompt_tokens, prompt_mask = self.sampler.prepare(up.ids, c.rollout.max_new_tokens)
             # Most responses stop well before max_new_tokens, and the update's cost grows
             # with the padded width: cut to the longest response, rounded up to a multiple
             # of 8 so at most a few widths compile. Masked positions add nothing to any loss.
-            width = min(c.rollout.max_new_tokens, -(-max(int(ro.lengths.max()), 1) // 8) * 8)
+            width = min(c.rollout.max_new_tokens, -(-max(int(up.lengths.max()), 1) // 8) * 8)
             batch = new_rollout_batch(
-                prompt_tokens, prompt_mask, ro.tokens[:, :width], ro.mask[:, :width],
-                sequence_rewards=ro.rewards,
-                loss_weight=ro.loss_weight * ro.weight, group_id=ro.group_id,
-                truncated=ro.truncated, step_token_id=self.tokenizer.step_id,
+                prompt_tokens, prompt_mask, up.tokens[:, :width], up.mask[:, :width],
+                sequence_rewards=up.rewards,
+                loss_weight=up.loss_weight * up.weight, group_id=ro.group_id,
+                truncated=up.truncated, step_token_id=self.tokenizer.step_id,
             )  # fmt: skip
             batch = self.trainer.score(self.state, self.ref_params, batch)
             learned_metrics, confidence = {}, None
             if self.learned.active:
                 batch, learned_metrics, confidence = self.learned.apply(
-                    batch, ro.names, ro.success, ro.valid
+                    batch, up.names, up.success, up.valid
                 )
             batch = self.trainer.advantages(self.state, batch)
             jax.block_until_ready(batch.advantages)
@@ -800,21 +826,20 @@ class PostTrainRun:
             adv = np.asarray(batch.advantages)
             mask = np.asarray(batch.response_mask)
             abs_adv = np.abs(adv * mask).sum(1) / np.maximum(mask.sum(1), 1.0)
-            keep = ro.valid.astype(bool)
-            skip = ro.left_out_valid
+            # The curriculum hears of every valid sample in the update and of the uniform
+            # groups left out of it, whose advantage is exactly zero.
+            fed = _Samples.concat([up, ro.left_out])
+            keep = fed.valid > 0
+            fed_abs_adv = np.concatenate([abs_adv, np.zeros(len(ro.left_out.ids))])
             self.loader.update(Feedback(
-                domain_index=np.concatenate([ro.domain_index[keep],
-                                             ro.left_out.domain_index[skip]]),
-                success=np.concatenate([ro.success[keep], ro.left_out.success[skip]]),
-                reward=np.concatenate([ro.rewards[keep], ro.left_out.reward[skip]]),
-                abs_advantage=np.concatenate([abs_adv[keep], ro.left_out.abs_advantage[skip]]),
-                difficulty=np.concatenate([ro.difficulty[keep], ro.left_out.difficulty[skip]]),
-                confidence=confidence,
+                domain_index=fed.domain_index[keep], success=fed.success[keep],
+                reward=fed.rewards[keep], abs_advantage=fed_abs_adv[keep],
+                difficulty=fed.difficulty[keep], confidence=confidence,
             ))  # fmt: skip
             update_metrics = jax.device_get(update_metrics)
             # The reward model learns from this rollout's verdicts; refreshed, it scores the next.
             learned_metrics.update(self.learned.observe(
-                step, ro.tasks, ro.texts, ro.results,
+                step, up.tasks, up.texts, up.results,
                 jax.random.fold_in(self.keys["rm_refresh"], step),
             ))  # fmt: skip
             self.profiler.stop(step, self.state)
@@ -826,15 +851,15 @@ class PostTrainRun:
             metrics.update(learned_metrics)
             metrics.update(self.loader.metrics())
             flops = rl_step_model_flops(
-                self.n_policy_params, len(ro.ids), prompt_tokens.shape[1], width,
-                int(ro.lengths.sum()), epochs=self.ppo_cfg.epochs,
+                self.n_policy_params, len(up.ids), prompt_tokens.shape[1], width,
+                int(up.lengths.sum()), epochs=self.ppo_cfg.epochs,
                 critic=self.ppo_cfg.uses_critic,
             )  # fmt: skip
             metrics.update({
                 "time/generate_s": ro.generate_s, "time/verify_s": ro.verify_s,
                 "time/score_s": t_score - t_collected, "time/update_s": t_upd - t_score,
                 "time/step_s": t_upd - t0,
-                "time/tokens_per_s": float(ro.lengths.sum()) / (t_upd - t0),
+                "time/tokens_per_s": float(up.lengths.sum()) / (t_upd - t0),
                 "time/model_flops_per_s": flops / (t_upd - t0),
                 "time/mfu": flops / (t_upd - t0) / self._peak_flops(),
             })  # fmt: skip
@@ -865,83 +890,53 @@ class PostTrainRun:
         need = c.rollout.batch_size // group_size
         rounds = c.rollout.get("filter_max_rounds", 1) if c.rollout.get("filter_groups") else 1
         key = jax.random.fold_in(self.keys["rollout"], step)
-        parts: list[dict[str, Any]] = []
+        parts: list[_Samples] = []
         generate_s = verify_s = 0.0
-        informative: list[tuple[int, int]] = []  # (part, group) in generation order
-        uniform: list[tuple[int, int]] = []
+        informative: list[int] = []  # groups (over all rounds) in generation order
+        uniform: list[int] = []
         for r in range(rounds):
             t0 = time.perf_counter()
             pb = self.loader.next()
             ids = [row[m] for row, m in zip(pb.tokens, pb.mask)]
-            sampled = self.sampler.generate(
+            out = self.sampler.generate(
                 full_policy(self.state.policy, self.base_params), ids,
                 key if r == 0 else jax.random.fold_in(key, r),
                 max_new_tokens=c.rollout.max_new_tokens, sampling=sampling,
             )  # fmt: skip
-            out = {f: np.asarray(getattr(sampled, f))
-                   for f in ("tokens", "mask", "lengths", "truncated")}  # fmt: skip
+            tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
             t1 = time.perf_counter()
-            texts = [
-                decode_response(self.tokenizer, out["tokens"][i, : out["lengths"][i]])
-                for i in range(len(ids))
-            ]
+            texts = [decode_response(self.tokenizer, tokens[i, : lengths[i]])
+                     for i in range(len(ids))]  # fmt: skip
             names = [self.loader.names[d] for d in pb.domain_index]
             results = self.verifier.verify(names, pb.tasks, texts)
             rewards, weight, success, valid = self._rewards(pb.tasks, texts, results)
             verify_s += time.perf_counter() - t1
             generate_s += t1 - t0
-            parts.append(dict(pb=pb, ids=ids, out=out, texts=texts, names=names,
-                              results=results, rewards=rewards, weight=weight,
-                              success=success, valid=valid))  # fmt: skip
-            for g, varies in enumerate(group_varies(rewards, valid, group_size)):
-                (informative if varies else uniform).append((r, g))
+            first = sum(len(p.ids) for p in parts) // group_size
+            for g, varies in enumerate(group_varies(rewards, valid, group_size), start=first):
+                (informative if varies else uniform).append(g)
+            parts.append(_Samples(
+                ids=ids, tasks=list(pb.tasks), names=names, texts=texts, results=results,
+                tokens=tokens, mask=np.asarray(out.mask), lengths=lengths,
+                truncated=np.asarray(out.truncated), rewards=rewards, weight=weight,
+                success=success, valid=valid, loss_weight=pb.loss_weight,
+                domain_index=pb.domain_index, difficulty=pb.difficulty,
+            ))  # fmt: skip
             if len(informative) >= need:
                 break
+        generated = _Samples.concat(parts)
         chosen = sorted(informative[:need] + uniform[: max(need - len(informative), 0)])
-        rows = [(r, g * group_size + j) for r, g in chosen for j in range(group_size)]
-        # The curriculum also hears of the uniform groups left out (their advantage is
-        # exactly zero); surplus varying groups of the last round are dropped unseen.
-        left_out = [
-            (r, g * group_size + j) for r, g in uniform if (r, g) not in chosen
-            for j in range(group_size)
-        ]  # fmt: skip
+        # Surplus varying groups of the last round are dropped unseen.
+        left_out = sorted(set(uniform) - set(chosen))
 
-        def pick(field: str, which=rows) -> list:
-            return [parts[r][field][i] for r, i in which]
+        def rows(groups: list[int]) -> np.ndarray:
+            return (np.asarray(groups, int)[:, None] * group_size
+                    + np.arange(group_size)).reshape(-1)  # fmt: skip
 
-        def pick_pb(attr: str, which=rows) -> np.ndarray:
-            return np.asarray([getattr(parts[r]["pb"], attr)[i] for r, i in which])
-
-        def pick_out(field: str) -> np.ndarray:
-            return np.stack([parts[r]["out"][field][i] for r, i in rows])
-
-        every = [(r, i) for r, part in enumerate(parts) for i in range(len(part["ids"]))]
         return _Rollout(
-            ids=pick("ids"), tasks=[parts[r]["pb"].tasks[i] for r, i in rows],
-            names=pick("names"), texts=pick("texts"), results=pick("results"),
-            tokens=pick_out("tokens"), mask=pick_out("mask"), lengths=pick_out("lengths"),
-            truncated=pick_out("truncated"),
-            rewards=np.asarray(pick("rewards"), np.float32),
-            weight=np.asarray(pick("weight"), np.float32),
-            success=np.asarray(pick("success"), np.float32),
-            valid=np.asarray(pick("valid"), np.float32),
-            loss_weight=pick_pb("loss_weight").astype(np.float32),
-            domain_index=pick_pb("domain_index").astype(np.int32),
-            difficulty=pick_pb("difficulty").astype(np.int32),
+            generated=generated, update=generated.take(rows(chosen)),
+            left_out=generated.take(rows(left_out)),
             group_id=np.repeat(np.arange(len(chosen)), group_size).astype(np.int32),
-            left_out=Feedback(
-                domain_index=pick_pb("domain_index", left_out).astype(np.int32),
-                success=np.asarray(pick("success", left_out), np.float32),
-                reward=np.asarray(pick("rewards", left_out), np.float32),
-                abs_advantage=np.zeros(len(left_out), np.float32),
-                difficulty=pick_pb("difficulty", left_out).astype(np.int32),
-            ),
-            left_out_valid=np.asarray(pick("valid", left_out), bool),
-            all_domain_index=pick_pb("domain_index", every).astype(np.int32),
-            all_success=np.asarray(pick("success", every), np.float32),
-            all_rewards=np.asarray(pick("rewards", every), np.float32),
-            all_valid=np.asarray(pick("valid", every), np.float32),
-            all_truncated=np.asarray([parts[r]["out"]["truncated"][i] for r, i in every], bool),
             rounds=len(parts),
             informative_frac=len(informative) / max(len(informative) + len(uniform), 1),
             update_informative_frac=min(len(informative), need) / need,
@@ -975,21 +970,22 @@ class PostTrainRun:
     def _rollout_metrics(self, ro: _Rollout) -> dict[str, Any]:
         """What the policy did this step: over every sample generated, whether or not
         group filtering kept it for the update."""
-        valid, success = ro.all_valid > 0, ro.all_success
+        gen = ro.generated
+        valid, success = gen.valid > 0, gen.success
         m: dict[str, Any] = {
-            "ppo/score": float(ro.all_rewards[valid].mean()) if valid.any() else float("nan"),
+            "ppo/score": float(gen.rewards[valid].mean()) if valid.any() else float("nan"),
             "ppo/success": float(success[valid].mean()) if valid.any() else float("nan"),
-            "ppo/truncated_frac": float(np.mean(ro.all_truncated)),
+            "ppo/truncated_frac": float(np.mean(gen.truncated)),
             "ppo/sandbox_failures": self.meta["counters"]["sandbox_failures"],
             "ppo/nonfinite_rewards": self.meta["counters"]["nonfinite_rewards"],
-            "ppo/dropped_samples": int((ro.valid == 0).sum()),
+            "ppo/dropped_samples": int((ro.update.valid == 0).sum()),
             "ppo/varying_groups_frac": ro.informative_frac,
         }
         if self.config.rollout.get("filter_groups", False):
             m["ppo/rollout_rounds"] = ro.rounds
             m["ppo/update_varying_groups_frac"] = ro.update_informative_frac
         for d, name in enumerate(self.loader.names):
-            rows = (ro.all_domain_index == d) & valid
+            rows = (gen.domain_index == d) & valid
             if rows.any():
                 m[f"ppo/{name}/success"] = float(success[rows].mean())
         return m
