@@ -15,6 +15,7 @@ say nothing about the policy.
 The trainer calls the same ``Evaluator`` during training. On the command line::
 
     python -m rlpt.eval --workdir=DIR [--adapter=NAME]   # a run's latest checkpoint
+    python -m rlpt.eval --workdir=DIR --seed=7          # ... on a second held-out draw
     python -m rlpt.eval --hf=DIR [--adapter=NAME]        # an HF directory or interop ckpt
 
 print a table on standard error and the JSON result as the last line of standard
@@ -357,7 +358,7 @@ def evaluate_hf(
 
 
 def main(argv: Sequence[str]) -> None:
-    from absl import logging
+    from absl import flags, logging
 
     from rlpt.trainers import post_train
 
@@ -368,8 +369,18 @@ def main(argv: Sequence[str]) -> None:
     start = time.perf_counter()
     if _WORKDIR.value is not None:
         workdir = _WORKDIR.value
-        result = post_train.evaluate_checkpoint(workdir, adapter=_ADAPTER.value)
+        hf_only = [f"--{n}" for n in ("domains", "max_level", "max_new_tokens", "output")
+                   if flags.FLAGS[n].present]  # fmt: skip
+        if hf_only:
+            raise ValueError(f"{', '.join(hf_only)}: only with --hf (a run keeps its own)")
+        # Only the flags given on the command line replace the run's own eval config.
+        overrides = {n: flags.FLAGS[n].value for n in post_train.EVAL_OVERRIDES
+                     if flags.FLAGS[n].present}  # fmt: skip
+        result = post_train.evaluate_checkpoint(
+            workdir, adapter=_ADAPTER.value, eval_overrides=overrides
+        )
         tag = f"step_{result['step']}" + (f"_{_ADAPTER.value}" if _ADAPTER.value else "")
+        tag += "".join(f"_{n}{v}" for n, v in sorted(overrides.items()))
         path = os.path.join(workdir, f"eval_{tag.replace(os.sep, '_')}.json")
     else:
         result = evaluate_hf(
@@ -399,7 +410,9 @@ if __name__ == "__main__":
         "adapter", None,
         "A LoRA adapter by name (DIR/adapters/NAME) or an adapter directory.",
     )  # fmt: skip
-    # With --hf (a --workdir run uses its own config):
+    # With --hf these set the evaluation; with --workdir the run's own config does, and
+    # --seed, --heldout_items, --ood_items, --n_samples, --k, --batch_size replace it
+    # where given (the rest are --hf only).
     _DOMAINS = flags.DEFINE_list(
         "domains", ["arithmetic", "stepwise_math", "program_synthesis"], "Domains to evaluate."
     )
@@ -410,6 +423,8 @@ if __name__ == "__main__":
     _K = flags.DEFINE_integer("k", 4, "k of pass@k.")
     _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 40, "Generation length.")
     _BATCH = flags.DEFINE_integer("batch_size", 200, "Sequences per generate call.")
-    _SEED = flags.DEFINE_integer("seed", 1234, "Seed of the item draw and the samples.")
+    _SEED = flags.DEFINE_integer(
+        "seed", 1234, "Seed of the item draw (with --hf, of the samples too)."
+    )
     _OUTPUT = flags.DEFINE_string("output", None, "With --hf: also write the JSON here.")
     app.run(main)

@@ -1161,15 +1161,33 @@ def restore_policy(workdir: str) -> RestoredPolicy:
                           base, step, meta["stage"])  # fmt: skip
 
 
-def evaluate_checkpoint(workdir: str, *, adapter: str | None = None) -> dict[str, Any]:
+# What `evaluate_checkpoint(eval_overrides=...)` may change: the item draw and how each
+# item is scored, never which domains or levels (those are the run's own).
+EVAL_OVERRIDES = ("seed", "heldout_items", "ood_items", "n_samples", "k", "batch_size")
+
+
+def evaluate_checkpoint(
+    workdir: str, *, adapter: str | None = None, eval_overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Evaluates the policy in ``workdir``'s latest checkpoint with the run's own eval config.
 
     ``adapter``: a LoRA adapter name (``workdir/adapters/NAME``) or an adapter directory,
     evaluated over the run's frozen base (over its trained policy if the run trained
     full weights) in place of the checkpoint's own adapter.
+    ``eval_overrides``: ``config.eval`` fields (of ``EVAL_OVERRIDES``) to change, e.g.
+    ``{"seed": 7}`` for a second draw of held-out items.
     """
+    overrides = dict(eval_overrides or {})
+    unknown = sorted(set(overrides) - set(EVAL_OVERRIDES))
+    if unknown:
+        raise ValueError(f"eval_overrides: unknown field(s) {unknown}; allowed: {EVAL_OVERRIDES}")
     run = restore_policy(workdir)
     config, mcfg = run.config, run.model_cfg
+    if overrides:
+        config = ml_collections.ConfigDict(config.to_dict())
+        config.eval.update(overrides)
+        if config.eval.n_samples < config.eval.k:
+            raise ValueError(f"eval n_samples={config.eval.n_samples} < k={config.eval.k}")
     graph, params = run.graph, run.params
     if adapter is not None:
         from rlpt.interop.checkpoint import load_adapter

@@ -192,6 +192,53 @@ def test_eval_cli_evaluates_the_latest_checkpoint(reference_run):
         assert got["distinct_items"] == len({t.prompt for t in tasks})
     assert os.path.exists(os.path.join(workdir, f"eval_step_{result['step']}.json"))
 
+    # Flags given with --workdir replace the run's eval config; a --hf-only flag is an error.
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlpt.eval", f"--workdir={workdir}", "--seed=7",
+         "--heldout_items=6", "--ood_items=0"],
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    redrawn = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {r["items"] for r in redrawn["results"]["heldout"].values()} == {6}
+    assert not redrawn["results"].get("ood")
+    saved = f"eval_step_{redrawn['step']}_heldout_items6_ood_items0_seed7.json"
+    assert os.path.exists(os.path.join(workdir, saved))
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlpt.eval", f"--workdir={workdir}", "--max_level=3"],
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "--max_level: only with --hf" in proc.stderr
+
+
+def test_eval_overrides_redraw_items_without_touching_the_run(reference_run, monkeypatch):
+    workdir, _ = reference_run
+    with open(os.path.join(workdir, "run_config.json")) as f:
+        run_config = f.read()
+    draws = []
+    real = post_train.make_eval_sets
+
+    def spy(*args, **kwargs):
+        draws.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(post_train, "make_eval_sets", spy)
+    out = post_train.evaluate_checkpoint(
+        workdir, eval_overrides={"seed": 7, "heldout_items": 6, "ood_items": 0}
+    )
+    assert (draws[-1]["seed"], draws[-1]["heldout_items"], draws[-1]["ood_items"]) == (7, 6, 0)
+    assert {r["items"] for r in out["results"]["heldout"].values()} == {6}
+    post_train.evaluate_checkpoint(workdir)
+    assert draws[-1]["seed"] != 7  # the run's own config is untouched
+    with open(os.path.join(workdir, "run_config.json")) as f:
+        assert f.read() == run_config
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['domains'\]"):
+        post_train.evaluate_checkpoint(workdir, eval_overrides={"domains": ("arithmetic",)})
+    with pytest.raises(ValueError, match="n_samples=1 < k"):
+        post_train.evaluate_checkpoint(workdir, eval_overrides={"n_samples": 1, "k": 2})
+
 
 def test_group_varies_by_hand():
     # Groups of 3: mixed; all equal; equal once the invalid sample is ignored;
