@@ -1185,9 +1185,7 @@ def evaluate_checkpoint(
     config, mcfg = run.config, run.model_cfg
     if overrides:
         config = ml_collections.ConfigDict(config.to_dict())
-        config.eval.update(overrides)
-        if config.eval.n_samples < config.eval.k:
-            raise ValueError(f"eval n_samples={config.eval.n_samples} < k={config.eval.k}")
+        config.eval.update(overrides)  # the Evaluator checks n_samples against k
     graph, params = run.graph, run.params
     if adapter is not None:
         from rlpt.interop.checkpoint import load_adapter

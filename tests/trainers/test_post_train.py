@@ -236,7 +236,7 @@ def test_eval_overrides_redraw_items_without_touching_the_run(reference_run, mon
         assert f.read() == run_config
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['domains'\]"):
         post_train.evaluate_checkpoint(workdir, eval_overrides={"domains": ("arithmetic",)})
-    with pytest.raises(ValueError, match="n_samples=1 < k"):
+    with pytest.raises(ValueError, match=r"eval.n_samples \(1\) must be >= eval.k \(2\)"):
         post_train.evaluate_checkpoint(workdir, eval_overrides={"n_samples": 1, "k": 2})
 
 
