@@ -235,8 +235,7 @@ class Evaluator:
         (the periodic evaluation): sets are ordered by level, so a prefix would see
         only the easiest levels.
         """
-        if n_samples and n_samples < k:
-            raise ValueError(f"eval.n_samples ({n_samples}) must be >= eval.k ({k})")
+        check_sampling(n_samples, k)
         results: dict[str, Any] = {}
         samples: list[dict[str, Any]] = []
         greedy = SamplingParams(greedy=True)
@@ -289,6 +288,23 @@ class Evaluator:
                         }
                     )  # fmt: skip
         return results, samples
+
+
+def check_sampling(n_samples: int, k: int) -> None:
+    """Errors in ``eval.n_samples`` / ``eval.k``.
+
+    ``pass@1`` is the greedy score; with samples, a ``k`` of 1 would report the sampled
+    estimate under the same name (it is ``sample_pass@1``), so ``k`` must be at least 2.
+    """
+    if n_samples < 0:
+        raise ValueError(f"eval.n_samples must be >= 0, got {n_samples}")
+    if n_samples and k < 2:
+        raise ValueError(
+            f"eval.k must be >= 2 when eval.n_samples > 0, got {k}: pass@1 is the greedy "
+            "score and the sampled pass@1 is reported as sample_pass@1"
+        )
+    if n_samples and n_samples < k:
+        raise ValueError(f"eval.n_samples ({n_samples}) must be >= eval.k ({k})")
 
 
 def flatten_results(results: Mapping[str, Any], k: int) -> dict[str, float]:

@@ -48,6 +48,21 @@ def test_pass_at_k_rejects_bad_arguments():
         ev.pass_at_k(3, 1, 4)
 
 
+def test_sampled_pass_at_k_needs_k_of_at_least_two_before_anything_is_generated():
+    # No sampler: the arguments are refused before one would be used.
+    evaluator = ev.Evaluator(None, ByteTokenizer(), ev.Verifier({}), max_new_tokens=4, chunk_size=4)
+    cases = [
+        (2, 1, "eval.k must be >= 2 when eval.n_samples > 0, got 1"),
+        (1, 2, r"eval.n_samples \(1\) must be >= eval.k \(2\)"),
+        (-1, 2, "eval.n_samples must be >= 0, got -1"),
+    ]
+    for n_samples, k, message in cases:
+        with pytest.raises(ValueError, match=message):
+            evaluator.evaluate(None, {}, None, n_samples=n_samples, k=k)
+    ev.check_sampling(0, 1)  # greedy only: k is unused
+    ev.check_sampling(4, 4)
+
+
 def test_mean_and_stderr():
     mean, se = ev.mean_and_stderr([1.0, 0.0, 1.0, 0.0])
     assert mean == 0.5

@@ -57,6 +57,7 @@ from rlpt.data import CurriculumLoader, Feedback, make_curriculum, make_source
 from rlpt.eval import (
     Evaluator,
     Verifier,
+    check_sampling,
     decode_response,
     flatten_results,
     format_table,
@@ -371,6 +372,7 @@ class PostTrainRun:
         lora_config(config)
         self.ppo_cfg = ppo_config(config)
         check_rollout_config(config, self.ppo_cfg)
+        check_sampling(config.eval.n_samples, config.eval.k)
         self.model_cfg = model_config(config)
         self.domains = make_domains(config)
         self._check_workdir()
@@ -1185,7 +1187,8 @@ def evaluate_checkpoint(
     config, mcfg = run.config, run.model_cfg
     if overrides:
         config = ml_collections.ConfigDict(config.to_dict())
-        config.eval.update(overrides)  # the Evaluator checks n_samples against k
+        config.eval.update(overrides)
+    check_sampling(config.eval.n_samples, config.eval.k)
     graph, params = run.graph, run.params
     if adapter is not None:
         from rlpt.interop.checkpoint import load_adapter

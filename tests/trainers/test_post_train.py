@@ -171,6 +171,13 @@ def test_learned_reward_weight_without_its_stage_is_an_error(tmp_path):
         train.train_and_evaluate(_demo_config(**{"rewards.reward_model": 1.0}), str(tmp_path))
 
 
+def test_sampled_pass_at_one_is_refused_before_the_run_claims_the_workdir(tmp_path):
+    # With samples, k=1 would report the sampled estimate as the greedy pass@1.
+    with pytest.raises(ValueError, match="eval.k must be >= 2 when eval.n_samples > 0, got 1"):
+        train.train_and_evaluate(_demo_config(**{"eval.k": 1}), str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run" / "run_config.json")
+
+
 def test_eval_cli_evaluates_the_latest_checkpoint(reference_run):
     workdir, summary = reference_run
     proc = subprocess.run(
@@ -238,6 +245,8 @@ def test_eval_overrides_redraw_items_without_touching_the_run(reference_run, mon
         post_train.evaluate_checkpoint(workdir, eval_overrides={"domains": ("arithmetic",)})
     with pytest.raises(ValueError, match=r"eval.n_samples \(1\) must be >= eval.k \(2\)"):
         post_train.evaluate_checkpoint(workdir, eval_overrides={"n_samples": 1, "k": 2})
+    with pytest.raises(ValueError, match="eval.k must be >= 2 when eval.n_samples > 0"):
+        post_train.evaluate_checkpoint(workdir, eval_overrides={"n_samples": 2, "k": 1})
 
 
 def test_group_varies_by_hand():
