@@ -436,7 +436,9 @@ if __name__ == "__main__":
     _HELDOUT = flags.DEFINE_integer("heldout_items", 200, "Held-out items per domain.")
     _OOD = flags.DEFINE_integer("ood_items", 100, "OOD items per domain.")
     _N_SAMPLES = flags.DEFINE_integer("n_samples", 4, "Samples per item for pass@k.")
-    _K = flags.DEFINE_integer("k", 4, "k of pass@k.")
+    _K = flags.DEFINE_integer(
+        "k", 4, "k of pass@k, at least 2 (the sampled pass@1 is reported as sample_pass@1)."
+    )
     _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 40, "Generation length.")
     _BATCH = flags.DEFINE_integer("batch_size", 200, "Sequences per generate call.")
     _SEED = flags.DEFINE_integer(
