@@ -1187,8 +1187,7 @@ def evaluate_checkpoint(
     config, mcfg = run.config, run.model_cfg
     if overrides:
         config = ml_collections.ConfigDict(config.to_dict())
-        config.eval.update(overrides)
-    check_sampling(config.eval.n_samples, config.eval.k)
+        config.eval.update(overrides)  # the Evaluator checks n_samples and k
     graph, params = run.graph, run.params
     if adapter is not None:
         from rlpt.interop.checkpoint import load_adapter
