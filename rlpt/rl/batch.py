@@ -20,8 +20,8 @@ class RolloutBatch:
 
     Fields filled at sampling time: ``tokens``, ``positions``, ``input_mask``,
     ``response_mask``, ``truncated``. Filled by scoring (``score_rollout``):
-    ``old_logp`` (the policy's own temperature-1 log-probabilities, never the
-    sampler's), ``ref_logp``, ``values``. Filled by ``compute_advantages``:
+    ``old_logp`` (the policy's own log-probabilities at the sampling temperature,
+    recomputed, never the sampler's), ``ref_logp``, ``values``. Filled by ``compute_advantages``:
     ``advantages``, ``returns`` (and ``rewards`` may gain a KL penalty).
     """
 

@@ -7,8 +7,8 @@ loss weights, clips the global gradient norm, follows an optax learning-rate
 schedule (optionally scaled by a controller that watches KL or the clip
 fraction), and skips any step whose loss or gradients are not finite.
 
-Around it: ``score_rollout`` recomputes the policy's own temperature-1
-log-probabilities, the reference log-probabilities and the values for a
+Around it: ``score_rollout`` recomputes the policy's own log-probabilities (at
+the rollout's sampling temperature), the reference log-probabilities and the values for a
 freshly sampled batch; ``compute_advantages`` turns rewards into advantages
 (GAE with a critic, or critic-free GRPO / RLOO); ``PPOTrainer`` binds it all
 to a mesh with explicit shardings and donation.
@@ -111,6 +111,11 @@ class PPOConfig:
     # after it (process supervision) instead of one scalar per sequence. Every step end
     # (a step token) and the last token is a reward entry, so use it with process rewards.
     step_advantages: bool = False
+    # The temperature the rollout was sampled at. Old, new and reference log-probabilities
+    # all come from logits / temperature: that is the distribution the samples were drawn
+    # from, so the ratio starts at 1 on-policy and k3 stays an unbiased KL estimate. At 1
+    # the tempered samples would be scored as if drawn from the untempered policy.
+    sampling_temperature: float = 1.0
 
     def __post_init__(self):
         _check_choice("estimator", self.estimator, ESTIMATORS)
@@ -127,6 +132,10 @@ class PPOConfig:
             # A per-token KL reward is not a step reward: it would enter the group statistics
             # as hundreds of entries per sample. Put the KL in the loss instead.
             raise ValueError("ppo.step_advantages needs ppo.kl_placement 'loss' or 'none'")
+        if not self.sampling_temperature > 0:
+            raise ValueError(
+                f"ppo.sampling_temperature must be > 0, got {self.sampling_temperature}"
+            )
         for name in ("epochs", "num_minibatches", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ppo.{name} must be >= 1, got {getattr(self, name)}")
@@ -211,19 +220,22 @@ def init_train_state(cfg: PPOConfig, policy_params, value_params, key: jax.Array
     )
 
 
-def response_log_probs(logits: jax.Array, tokens: jax.Array, prompt_len: int):
-    """Log-probabilities [B, T] of response tokens and the response logits [B, T, V]."""
-    resp_logits = logits[:, prompt_len - 1 : -1].astype(jnp.float32)
+def response_log_probs(
+    logits: jax.Array, tokens: jax.Array, prompt_len: int, temperature: float = 1.0
+):
+    """Log-probabilities [B, T] of response tokens and the response logits [B, T, V],
+    both of the distribution ``softmax(logits / temperature)``."""
+    resp_logits = logits[:, prompt_len - 1 : -1].astype(jnp.float32) / temperature
     targets = tokens[:, prompt_len:]
     log_probs = jax.nn.log_softmax(resp_logits, axis=-1)
     return jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0], resp_logits
 
 
-def _policy_logp(policy_graph, params, batch: RolloutBatch, frozen=None):
+def _policy_logp(policy_graph, params, batch: RolloutBatch, frozen=None, temperature=1.0):
     # `frozen`: parameters outside the trained state (a LoRA policy's shared base).
     states = (params,) if frozen is None else (params, frozen)
     logits, _ = nnx.merge(policy_graph, *states)(batch.tokens, batch.positions, batch.input_mask)
-    return response_log_probs(logits, batch.tokens, batch.prompt_len)
+    return response_log_probs(logits, batch.tokens, batch.prompt_len, temperature)
 
 
 def _values(value_graph, params, batch: RolloutBatch) -> jax.Array:
@@ -239,15 +251,17 @@ def score_rollout(
     value_params,
     batch: RolloutBatch,
     frozen=None,
+    temperature: float = 1.0,
 ) -> RolloutBatch:
-    """Fill old_logp (the policy itself, temperature 1), ref_logp and values.
+    """Fill old_logp (the policy itself), ref_logp and values.
 
-    With ``frozen`` (a LoRA policy's base), policy and reference are adapter
-    states merged with that one shared base.
+    Both log-probabilities are of ``softmax(logits / temperature)``: pass the
+    temperature the batch was sampled at. With ``frozen`` (a LoRA policy's base),
+    policy and reference are adapter states merged with that one shared base.
     """
     mask = batch.response_mask
-    old_logp, _ = _policy_logp(policy_graph, policy_params, batch, frozen)
-    ref_logp, _ = _policy_logp(policy_graph, ref_params, batch, frozen)
+    old_logp, _ = _policy_logp(policy_graph, policy_params, batch, frozen, temperature)
+    ref_logp, _ = _policy_logp(policy_graph, ref_params, batch, frozen, temperature)
     values = batch.values
     if value_params is not None:
         values = _values(value_graph, value_params, batch) * mask
@@ -264,6 +278,10 @@ def compute_advantages(cfg: PPOConfig, kl: KLControllerState, batch: RolloutBatc
         rewards = rewards - cfg.overlong_penalty * batch.truncated[:, None] * last
     elif cfg.overlong == "mask":
         loss_weight = loss_weight * (1.0 - batch.truncated.astype(jnp.float32))
+    # A weight-0 row (a sandbox failure, a non-finite reward, an overlong row under "mask")
+    # is out of the loss: its tokens must not count in token-mean denominators or in the
+    # whitening statistics either, or every other row's share shrinks by the dropped tokens.
+    kept_mask = mask * (loss_weight > 0).astype(mask.dtype)[:, None]  # [B, T]
     if cfg.kl_placement == "reward":
         rewards = kl_penalty_rewards(
             rewards, batch.old_logp, batch.ref_logp, mask, coef=kl.coef, kind=cfg.kl_kind
@@ -293,10 +311,11 @@ def compute_advantages(cfg: PPOConfig, kl: KLControllerState, batch: RolloutBatc
         advantages = sequence_to_tokens(seq_adv, mask)
         returns = advantages
     if cfg.whiten_advantages and cfg.estimator == "gae":
-        advantages = whiten(advantages, mask)
+        advantages = whiten(advantages, kept_mask)
     return batch.replace(
-        rewards=rewards, advantages=advantages, returns=returns, loss_weight=loss_weight
-    )
+        rewards=rewards, advantages=advantages, returns=returns, loss_weight=loss_weight,
+        response_mask=kept_mask,
+    )  # fmt: skip
 
 
 def _last_token_one_hot(mask: jax.Array) -> jax.Array:
@@ -319,7 +338,9 @@ def _microbatch_loss(
 ):
     policy_params, value_params = params
     mask = mb.response_mask
-    logp, resp_logits = _policy_logp(policy_graph, policy_params, mb, frozen)
+    logp, resp_logits = _policy_logp(
+        policy_graph, policy_params, mb, frozen, cfg.sampling_temperature
+    )
     pg_loss, pg_diag = policy_loss(
         logp, mb.old_logp, mb.advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
         dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, seq_weights=mb.loss_weight,
@@ -488,6 +509,7 @@ def _ppo_update(
         jnp.abs(per_step["ratio_max"][0, 0] - 1.0), jnp.abs(per_step["ratio_min"][0, 0] - 1.0)
     )
     n_steps = cfg.epochs * cfg.num_minibatches
+    kept_rows = (batch.loss_weight > 0).astype(jnp.float32)  # [B]
     observed_kl = masked_mean(
         kl_estimate(batch.old_logp, batch.ref_logp, kind=cfg.kl_kind), batch.response_mask
     )
@@ -503,8 +525,9 @@ def _ppo_update(
         lr_scale=lr_scale,
         skipped_total=skipped.astype(jnp.float32),
         advantage_mean=masked_mean(batch.advantages, batch.response_mask),
-        reward_mean=jnp.mean(jnp.sum(batch.rewards * batch.response_mask, axis=1)),
-        response_len=jnp.mean(jnp.sum(batch.response_mask, axis=1)),
+        # Over the rows in the loss (weight > 0): dropped rows have no tokens left in the mask.
+        reward_mean=masked_mean(jnp.sum(batch.rewards * batch.response_mask, axis=1), kept_rows),
+        response_len=masked_mean(jnp.sum(batch.response_mask, axis=1), kept_rows),
     )
     new_state = state.replace(
         step=state.step + n_steps, policy=policy, value=value, policy_opt=policy_opt,
@@ -637,8 +660,9 @@ class PPOTrainer:
             def fn(policy, ref, value, batch, frozen):
                 with activation_sharding(self.mesh, self.rules):
                     return score_rollout(
-                        self.policy_graph, self.value_graph, policy, ref, value, batch, frozen
-                    )
+                        self.policy_graph, self.value_graph, policy, ref, value, batch, frozen,
+                        self.cfg.sampling_temperature,
+                    )  # fmt: skip
 
             if self.mesh is None:
                 self._score = jax.jit(fn)

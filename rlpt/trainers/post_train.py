@@ -251,6 +251,11 @@ def ppo_config(config: ml_collections.ConfigDict) -> PPOConfig:
     values = dict(_plain(config.ppo))
     if values.get("num_groups") is None:
         values["num_groups"] = config.rollout.batch_size // config.rollout.group_size
+    temperature = config.rollout.temperature
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"rollout.temperature must be a number > 0, got {temperature!r}")
+    # The update scores samples under the distribution they were drawn from.
+    values["sampling_temperature"] = float(temperature)
     return PPOConfig.from_config(values)
 
 

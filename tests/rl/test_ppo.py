@@ -10,7 +10,7 @@ import pytest
 from rlpt.models import CausalLM, ValueModel, create_model, get_preset
 from rlpt.parallel import make_mesh
 from rlpt.rl import PPOConfig, PPOTrainer, init_train_state, new_rollout_batch
-from rlpt.rl.ppo import accumulated_gradients
+from rlpt.rl.ppo import accumulated_gradients, response_log_probs
 from rlpt.sampling import Sampler, SamplingParams
 
 CFG = get_preset("tiny")
@@ -153,6 +153,34 @@ def test_overlong_rows_can_be_masked_out_of_the_loss():
     np.testing.assert_array_equal(np.asarray(scored.loss_weight), (~truncated).astype(np.float32))
 
 
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_weight_zero_rows_leave_the_loss_as_if_absent(aggregation):
+    """Rows a run drops (weight 0: sandbox failure, non-finite reward) must not dilute the
+    others: the loss and gradients equal those of the batch without those rows."""
+    cfg = PPOConfig(
+        estimator="grpo", num_groups=4, kl_placement="loss", kl_coef=0.1, ent_coef=0.01,
+        aggregation=aggregation,
+    )  # fmt: skip
+    policy_graph, policy, _, _, ref = _models()
+    trainer = PPOTrainer(cfg, policy_graph)
+    state = init_train_state(cfg, policy, None, jax.random.key(0))
+    full = _batch(seed=4).replace(group_id=jnp.arange(B) // 2)
+    dropped = np.arange(B) >= B - 2  # the last group
+    weighted = full.replace(loss_weight=jnp.asarray((~dropped).astype(np.float32)))
+    kept = jax.tree.map(lambda x: x[~dropped] if x.ndim else x, full)
+
+    def loss_and_grads(batch):
+        batch = trainer.advantages(state, trainer.score(state, ref, batch))
+        grads, metrics = accumulated_gradients(cfg, policy_graph, None, (policy, None), 0.1, batch)
+        return metrics["loss"], jax.tree.leaves(grads[0])
+
+    (loss_w, g_w), (loss_k, g_k) = loss_and_grads(weighted), loss_and_grads(kept)
+    np.testing.assert_allclose(loss_w, loss_k, rtol=1e-5)
+    scale = max(float(jnp.abs(g).max()) for g in g_k)
+    for a, b in zip(g_w, g_k):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5 * scale)
+
+
 def test_adaptive_kl_controller_moves_the_coefficient():
     cfg = dataclasses.replace(BASE, kl_adaptive=True, kl_target=1e-6, kl_horizon=100.0)
     _, metrics, _ = _run(cfg, steps=2)
@@ -204,6 +232,47 @@ def test_ppo_raises_the_probability_of_rewarded_tokens():
         batch = trainer.advantages(state, trainer.score(state, ref, batch))
         state, _ = trainer.update(state, batch)
     assert np.mean(rates[-3:]) > np.mean(rates[:3]) + 0.25, rates
+
+
+def test_response_log_probs_by_hand_at_a_temperature():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(2, 5, 7)).astype(np.float32) * 3  # [B, L, V]
+    tokens = rng.integers(0, 7, size=(2, 5))
+    temperature, prompt_len = 0.6, 2
+    logp, _ = response_log_probs(jnp.asarray(logits), jnp.asarray(tokens), prompt_len, temperature)
+    for b in range(2):
+        for t in range(5 - prompt_len):
+            z = logits[b, prompt_len - 1 + t].astype(np.float64) / temperature
+            expected = z[tokens[b, prompt_len + t]] - z.max() - np.log(np.exp(z - z.max()).sum())
+            assert abs(float(logp[b, t]) - expected) < 1e-4
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.7])
+def test_old_log_probs_are_those_of_the_sampling_distribution(temperature):
+    """Scoring at the rollout temperature reproduces the sampler's own log-probabilities
+    (a cached token-by-token decode against one full forward pass); at temperature 1 it
+    does not, which is the off-policy gap scoring at the wrong temperature would leave."""
+    policy_graph, policy, _, _, ref = _models()
+    sampler = Sampler(policy_graph, CFG, eos_id=2, pad_id=0)
+    prompts = [[1, 10 + i, 20 + i] for i in range(B)]
+    sampling = SamplingParams(temperature=temperature)
+    out = sampler.generate(policy, prompts, jax.random.key(7), max_new_tokens=T, sampling=sampling)
+    tokens, mask = sampler.prepare(prompts, T)
+    batch = new_rollout_batch(tokens, mask, out.tokens, out.mask, group_id=np.arange(B) // 4)
+
+    def old_logp(t):
+        cfg = PPOConfig(estimator="grpo", num_groups=2, sampling_temperature=t)
+        return np.asarray(PPOTrainer(cfg, policy_graph).score(
+            init_train_state(cfg, policy, None, jax.random.key(0)), ref, batch
+        ).old_logp)  # fmt: skip
+
+    np.testing.assert_allclose(old_logp(temperature), out.logprobs * out.mask, atol=2e-4)
+    assert np.abs(old_logp(1.0) - out.logprobs * out.mask).max() > 0.05
+
+
+def test_sampling_temperature_must_be_positive():
+    with pytest.raises(ValueError, match="sampling_temperature"):
+        PPOConfig(sampling_temperature=0.0)
 
 
 def test_learning_rate_schedules_by_hand():

@@ -178,6 +178,12 @@ def test_sampled_pass_at_one_is_refused_before_the_run_claims_the_workdir(tmp_pa
     assert not os.path.exists(tmp_path / "run" / "run_config.json")
 
 
+def test_a_rollout_temperature_of_zero_is_refused_before_the_run_claims_the_workdir(tmp_path):
+    with pytest.raises(ValueError, match="rollout.temperature must be a number > 0, got 0.0"):
+        train.train_and_evaluate(_demo_config(**{"rollout.temperature": 0.0}), str(tmp_path / "r"))
+    assert not os.path.exists(tmp_path / "r" / "run_config.json")
+
+
 def test_eval_cli_evaluates_the_latest_checkpoint(reference_run):
     workdir, summary = reference_run
     proc = subprocess.run(
