@@ -616,6 +616,7 @@ class PostTrainRun:
         stop = self.config.get("stop_after_step")
         while self.meta["stage_index"] < len(stages):
             stage = stages[self.meta["stage_index"]]
+            step_at_start = self.meta["step"]
             if self.meta["stage"] != stage:
                 self._enter_stage(stage)
             if stage == "sft":
@@ -635,6 +636,13 @@ class PostTrainRun:
                 self.ckpt.wait()
                 return {"stopped_at_step": self.meta["step"]}
             self.meta["stage_index"] += 1
+            more = self.meta["stage_index"] < len(stages)
+            if more and stop is not None and step_at_start < stop <= self.meta["step"]:
+                # The stage ended on the requested step (its last step is checkpointed):
+                # stop at the boundary rather than one step into the next stage.
+                logging.info("Stopping after step %d (config.stop_after_step).", stop)
+                self.ckpt.wait()
+                return {"stopped_at_step": self.meta["step"]}
         self.ckpt.wait()
         self._save_model_outputs()
         summary = self._summary()

@@ -153,6 +153,25 @@ def test_interrupted_run_resumes_to_identical_metrics(reference_run, tmp_path):
     assert resumed_summary == reference_summary
 
 
+def test_a_stop_on_a_stage_boundary_stops_there_and_resumes_into_the_next_stage(
+    reference_run, tmp_path
+):
+    ref_dir, _ = reference_run
+    workdir = str(tmp_path / "boundary")
+    # SFT is 3 steps in runlocal: stopping after step 3 must not take a PPO step.
+    out = train.train_and_evaluate(_demo_config(stop_after_step=3), workdir)
+    assert out == {"stopped_at_step": 3}
+    records = _read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    assert {r["stage"] for r in records} == {"sft"} and records[-1]["step"] == 3
+    train.train_and_evaluate(_demo_config(), workdir)
+    records = _read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    assert [r for r in records if "event" in r] == [
+        {"step": 3, "event": "resumed", "resumed_from_step": 3}
+    ]
+    reference = _read_jsonl(os.path.join(ref_dir, "metrics.jsonl"))
+    assert _deterministic(records) == _deterministic(reference)
+
+
 def test_a_workdir_holding_another_config_is_refused_unless_overwritten(tmp_path):
     workdir = str(tmp_path / "run")
     train.train_and_evaluate(_demo_config(stop_after_step=1), workdir)
