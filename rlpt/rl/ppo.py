@@ -113,8 +113,8 @@ class PPOConfig:
     step_advantages: bool = False
     # The temperature the rollout was sampled at. Old, new and reference log-probabilities
     # all come from logits / temperature: that is the distribution the samples were drawn
-    # from, so the ratio starts at 1 on-policy and k3 stays an unbiased KL estimate. At 1
-    # the tempered samples would be scored as if drawn from the untempered policy.
+    # from, so the ratio starts at 1 on-policy and k3 stays an unbiased KL estimate;
+    # scoring at 1 would treat tempered samples as draws from the untempered policy.
     sampling_temperature: float = 1.0
 
     def __post_init__(self):
