@@ -81,7 +81,7 @@ def compile_ppo_step(
     )  # fmt: skip
     trainer = PPOTrainer(ppo, policy_graph, value_graph if critic else None, mesh=mesh)
     fn = trainer.jitted_update(state, rollout)
-    compiled = fn.lower(state, rollout, None).compile()
+    compiled = fn.lower(state, rollout, None, None).compile()
     memory = compiled.memory_analysis()
     gib = 1024**3
     report = {

@@ -323,16 +323,17 @@ def matmul_peak_flops(dtype: str = "float32", sizes=(512, 1024)) -> float:
 
 def rl_step_model_flops(
     n_params: int, batch: int, prompt_len: int, response_len: int, generated: int, *,
-    epochs: int = 1, critic: bool = False,
+    epochs: int = 1, critic: bool = False, scored_tokens: int | None = None,
 ) -> float:  # fmt: skip
     """Model FLOPs of one RL step (the 2N-per-token forward, 6N-per-token training rule).
 
     Generation: a forward over prompts and every generated token. Scoring: the
-    policy and the reference (and the critic) forward over the padded batch.
-    Update: forward and backward of the policy (and critic) per epoch. Attention's
+    policy and the reference (and the critic) forward over the padded batch, or
+    over ``scored_tokens`` (the real tokens, when sequences are packed). Update:
+    forward and backward of the policy (and critic) per epoch. Attention's
     quadratic term is left out: at these lengths it is small beside the matmuls.
     """
-    tokens = batch * (prompt_len + response_len)
+    tokens = batch * (prompt_len + response_len) if scored_tokens is None else scored_tokens
     models = 2 if critic else 1
     gen = 2 * n_params * (batch * prompt_len + generated)
     score = 2 * n_params * tokens * (2 + (1 if critic else 0))

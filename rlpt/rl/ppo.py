@@ -22,9 +22,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from rlpt.parallel.sharding import (
     DEFAULT_RULES,
@@ -32,6 +33,7 @@ from rlpt.parallel.sharding import (
     activation_sharding,
     batch_sharding,
     data_parallel_size,
+    logical_to_spec,
     replicated,
     state_shardings,
     tree_shardings,
@@ -60,6 +62,7 @@ from rlpt.rl.losses import (
     token_entropy,
     value_loss,
 )
+from rlpt.rl.packing import PackedRows, UpdatePlan, pack_batch, plan_update
 
 ESTIMATORS = ("gae", "grpo", "rloo", "dr_grpo")
 SCHEDULES = ("constant", "warmup_cosine", "warmup_linear")
@@ -116,6 +119,9 @@ class PPOConfig:
     # from, so the ratio starts at 1 on-policy and k3 stays an unbiased KL estimate;
     # scoring at 1 would treat tempered samples as draws from the untempered policy.
     sampling_temperature: float = 1.0
+    # Score and update on packed rows (``rlpt.rl.packing``): the real tokens of several
+    # sequences share a row, so padding costs nothing. Same losses up to float rounding.
+    pack_sequences: bool = False
 
     def __post_init__(self):
         _check_choice("estimator", self.estimator, ESTIMATORS)
@@ -225,22 +231,43 @@ def response_log_probs(
 ):
     """Log-probabilities [B, T] of response tokens and the response logits [B, T, V],
     both of the distribution ``softmax(logits / temperature)``."""
-    resp_logits = logits[:, prompt_len - 1 : -1].astype(jnp.float32) / temperature
-    targets = tokens[:, prompt_len:]
+    return _tempered_log_probs(logits[:, prompt_len - 1 : -1], tokens[:, prompt_len:], temperature)
+
+
+def _tempered_log_probs(resp_logits: jax.Array, targets: jax.Array, temperature: float):
+    resp_logits = resp_logits.astype(jnp.float32) / temperature  # [B, T, V]
     log_probs = jax.nn.log_softmax(resp_logits, axis=-1)
     return jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0], resp_logits
 
 
-def _policy_logp(policy_graph, params, batch: RolloutBatch, frozen=None, temperature=1.0):
+def _gather_packed(per_position: jax.Array, packed: PackedRows) -> jax.Array:
+    """[N, L, ...] outputs on packed rows to the batch's response layout [b, T, ...]."""
+    flat = per_position.reshape((-1,) + per_position.shape[2:])  # [N * L, ...]
+    return jnp.take(flat, packed.logit_index, axis=0)
+
+
+def _policy_logp(
+    policy_graph, params, batch: RolloutBatch, frozen=None, temperature=1.0,
+    packed: PackedRows | None = None,
+):  # fmt: skip
     # `frozen`: parameters outside the trained state (a LoRA policy's shared base).
     states = (params,) if frozen is None else (params, frozen)
-    logits, _ = nnx.merge(policy_graph, *states)(batch.tokens, batch.positions, batch.input_mask)
-    return response_log_probs(logits, batch.tokens, batch.prompt_len, temperature)
+    model = nnx.merge(policy_graph, *states)
+    if packed is None:
+        logits, _ = model(batch.tokens, batch.positions, batch.input_mask)
+        return response_log_probs(logits, batch.tokens, batch.prompt_len, temperature)
+    logits, _ = model(packed.tokens, packed.positions, packed.input_mask, packed.segment_ids)
+    targets = batch.tokens[:, batch.prompt_len :]  # [b, T]
+    return _tempered_log_probs(_gather_packed(logits, packed), targets, temperature)
 
 
-def _values(value_graph, params, batch: RolloutBatch) -> jax.Array:
-    scores = nnx.merge(value_graph, params)(batch.tokens, batch.positions, batch.input_mask)
-    return scores[:, batch.prompt_len - 1 : -1]
+def _values(value_graph, params, batch: RolloutBatch, packed: PackedRows | None = None):
+    model = nnx.merge(value_graph, params)
+    if packed is None:
+        scores = model(batch.tokens, batch.positions, batch.input_mask)
+        return scores[:, batch.prompt_len - 1 : -1]
+    scores = model(packed.tokens, packed.positions, packed.input_mask, packed.segment_ids)
+    return _gather_packed(scores, packed)
 
 
 def score_rollout(
@@ -252,19 +279,21 @@ def score_rollout(
     batch: RolloutBatch,
     frozen=None,
     temperature: float = 1.0,
+    packed: PackedRows | None = None,
 ) -> RolloutBatch:
     """Fill old_logp (the policy itself), ref_logp and values.
 
     Both log-probabilities are of ``softmax(logits / temperature)``: pass the
     temperature the batch was sampled at. With ``frozen`` (a LoRA policy's base),
     policy and reference are adapter states merged with that one shared base.
+    ``packed``: the whole batch's packed layout (``rlpt.rl.packing.pack_batch``).
     """
     mask = batch.response_mask
-    old_logp, _ = _policy_logp(policy_graph, policy_params, batch, frozen, temperature)
-    ref_logp, _ = _policy_logp(policy_graph, ref_params, batch, frozen, temperature)
+    old_logp, _ = _policy_logp(policy_graph, policy_params, batch, frozen, temperature, packed)
+    ref_logp, _ = _policy_logp(policy_graph, ref_params, batch, frozen, temperature, packed)
     values = batch.values
     if value_params is not None:
-        values = _values(value_graph, value_params, batch) * mask
+        values = _values(value_graph, value_params, batch, packed) * mask
     return batch.replace(old_logp=old_logp * mask, ref_logp=ref_logp * mask, values=values)
 
 
@@ -334,12 +363,13 @@ def _normaliser(mask: jax.Array, mode: str) -> jax.Array:
 
 
 def _microbatch_loss(
-    cfg, policy_graph, value_graph, params, kl_coef, mb: RolloutBatch, scale, frozen=None
-):
+    cfg, policy_graph, value_graph, params, kl_coef, mb: RolloutBatch, scale, frozen=None,
+    packed: PackedRows | None = None,
+):  # fmt: skip
     policy_params, value_params = params
     mask = mb.response_mask
     logp, resp_logits = _policy_logp(
-        policy_graph, policy_params, mb, frozen, cfg.sampling_temperature
+        policy_graph, policy_params, mb, frozen, cfg.sampling_temperature, packed
     )
     pg_loss, pg_diag = policy_loss(
         logp, mb.old_logp, mb.advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -365,7 +395,7 @@ def _microbatch_loss(
         **pg_diag,
     }
     if value_params is not None:
-        values = _values(value_graph, value_params, mb)
+        values = _values(value_graph, value_params, mb, packed)
         v_loss, v_diag = value_loss(
             values, mb.values, mb.returns, mask, clip_eps=cfg.value_clip,
             aggregation=cfg.aggregation, seq_weights=mb.loss_weight,
@@ -394,6 +424,7 @@ def accumulated_gradients(
     kl_coef,
     minibatch: RolloutBatch,
     frozen=None,
+    packed: PackedRows | None = None,
 ):
     """Gradients of the minibatch loss, summed over ``cfg.grad_accum`` microbatches.
 
@@ -401,7 +432,8 @@ def accumulated_gradients(
     normaliser, so the sum equals the gradient of the whole minibatch's loss in
     every aggregation mode. Returns ``(grads, metrics)`` with ``grads`` matching
     ``params`` (a (policy, value) pair); ``loss`` is the minibatch loss, the other
-    metrics are means over microbatches.
+    metrics are means over microbatches. ``packed``: one layout per microbatch
+    (leading ``[grad_accum]``), or None for padded rows.
     """
     grad_fn = jax.value_and_grad(
         functools.partial(_microbatch_loss, cfg, policy_graph, value_graph, frozen=frozen),
@@ -410,11 +442,12 @@ def accumulated_gradients(
     micro = _split(minibatch, cfg.grad_accum)
     total_norm = _normaliser(minibatch.response_mask, cfg.aggregation)
 
-    def accumulate(acc, one: RolloutBatch):
+    def accumulate(acc, item):
+        one, one_packed = item
         grads_acc, metrics_acc = acc
         share = _normaliser(one.response_mask, cfg.aggregation)
         scale = jnp.where(total_norm > 0, share / jnp.maximum(total_norm, 1e-9), 0.0)
-        (scaled_loss, metrics), grads = grad_fn(params, kl_coef, one, scale)
+        (scaled_loss, metrics), grads = grad_fn(params, kl_coef, one, scale, packed=one_packed)
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
         loss_acc = metrics_acc["loss"] + scaled_loss  # exact: the minibatch loss
         metrics_acc = jax.tree.map(lambda a, m: a + m / cfg.grad_accum, metrics_acc, metrics)
@@ -422,10 +455,12 @@ def accumulated_gradients(
         return (grads_acc, metrics_acc), None
 
     zero_grads = jax.tree.map(jnp.zeros_like, params)
-    first = jax.tree.map(lambda x: x[0], micro)
-    metric_shapes = jax.eval_shape(lambda: grad_fn(params, kl_coef, first, 1.0)[0][1])
+    first = jax.tree.map(lambda x: x[0], (micro, packed))
+    metric_shapes = jax.eval_shape(
+        lambda: grad_fn(params, kl_coef, first[0], 1.0, packed=first[1])[0][1]
+    )
     zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
-    (grads, metrics), _ = jax.lax.scan(accumulate, (zero_grads, zero_metrics), micro)
+    (grads, metrics), _ = jax.lax.scan(accumulate, (zero_grads, zero_metrics), (micro, packed))
     return grads, metrics
 
 
@@ -439,28 +474,40 @@ def ppo_update(
     mesh: Mesh | None = None,
     rules: Rules = DEFAULT_RULES,
     frozen=None,
+    plan: UpdatePlan | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """Epochs of shuffled minibatch PPO updates on a scored, advantaged batch. Pure.
 
     ``frozen``: policy parameters held fixed outside ``state`` (a LoRA policy's base).
+    ``plan``: packed rows for every microbatch (``rlpt.rl.packing.plan_update``), whose
+    permutations must be ``epoch_permutations(cfg, state.key, batch_size)``.
     """
     with activation_sharding(mesh, rules):
-        return _ppo_update(cfg, policy_graph, value_graph, state, batch, frozen)
+        return _ppo_update(cfg, policy_graph, value_graph, state, batch, frozen, plan)
+
+
+def epoch_permutations(cfg: PPOConfig, key: jax.Array, batch_size: int) -> jax.Array:
+    """The row order of each epoch [E, B], drawn from the train state's key."""
+    _, epoch_key = jax.random.split(key)
+    epoch_keys = jax.random.split(epoch_key, cfg.epochs)
+    return jnp.stack([jax.random.permutation(k, batch_size) for k in epoch_keys])
 
 
 def _ppo_update(
-    cfg, policy_graph, value_graph, state: TrainState, batch: RolloutBatch, frozen=None
-):
+    cfg, policy_graph, value_graph, state: TrainState, batch: RolloutBatch, frozen=None,
+    plan: UpdatePlan | None = None,
+):  # fmt: skip
     batch_size = batch.batch_size
     policy_tx = make_optimizer(cfg, cfg.learning_rate)
     value_tx = make_optimizer(cfg, cfg.value_learning_rate) if state.value is not None else None
-    key, epoch_key = jax.random.split(state.key)
+    key, _ = jax.random.split(state.key)
     kl_coef = state.kl.coef
 
-    def minibatch_step(carry, mb: RolloutBatch):
+    def minibatch_step(carry, item):
+        mb, mb_packed = item
         params, opts, lr_scale, skipped = carry
         grads, metrics = accumulated_gradients(
-            cfg, policy_graph, value_graph, params, kl_coef, mb, frozen
+            cfg, policy_graph, value_graph, params, kl_coef, mb, frozen, mb_packed
         )
         finite = _all_finite(grads) & jnp.isfinite(metrics["loss"])
         policy_params, value_params = params
@@ -487,11 +534,11 @@ def _ppo_update(
         )
         return (params, opts, lr_scale, skipped + (~finite).astype(jnp.int32)), metrics
 
-    def epoch_step(carry, epoch_key):
-        perm = jax.random.permutation(epoch_key, batch_size)
+    def epoch_step(carry, item):
+        perm, epoch_packed = item
         shuffled = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), batch)
         minibatches = _split(shuffled, cfg.num_minibatches)
-        return jax.lax.scan(minibatch_step, carry, minibatches)
+        return jax.lax.scan(minibatch_step, carry, (minibatches, epoch_packed))
 
     carry = (
         (state.policy, state.value),
@@ -499,10 +546,14 @@ def _ppo_update(
         state.lr_scale,
         state.skipped,
     )
-    epoch_keys = jax.random.split(epoch_key, cfg.epochs)
+    if plan is None:
+        perms, packed = epoch_permutations(cfg, state.key, batch_size), None
+    else:
+        perms, packed = plan.permutations, plan.rows
     # The first minibatch of the first epoch sees the parameters that scored the
-    # batch, so its importance ratio must be exactly 1: record it as a check.
-    carry, per_step = jax.lax.scan(epoch_step, carry, epoch_keys)
+    # batch, so its importance ratio must be 1 (exactly, unless packed rows differ
+    # from the scoring pass's in summation order): record it as a check.
+    carry, per_step = jax.lax.scan(epoch_step, carry, (perms, packed))
     (policy, value), (policy_opt, value_opt), lr_scale, skipped = carry
     metrics = jax.tree.map(jnp.mean, per_step)
     metrics["first_ratio_max_dev"] = jnp.maximum(
@@ -599,9 +650,41 @@ class PPOTrainer:
         self.value_graph = value_graph
         self.mesh = mesh
         self.rules = rules
-        self._update = None
+        self._update = {}  # packed rows or not -> the jitted update
         self._score = None
         self._advantages = None
+        self._permutations = None
+        if cfg.pack_sequences and jax.process_count() > 1:
+            # The host plans the packing from the whole batch, which one process of a
+            # multi-process run does not hold.
+            raise ValueError("ppo.pack_sequences needs a single-process run")
+
+    def _data_parallel(self) -> int:
+        return 1 if self.mesh is None else data_parallel_size(self.mesh, self.rules)
+
+    def _packed_sharding(self, tree, rows_axis: int):
+        """Packed rows split over the data-parallel axes on their row dimension."""
+
+        def one(x):
+            names = [None] * x.ndim
+            names[rows_axis] = "batch"
+            spec = logical_to_spec(tuple(names), None, self.mesh, self.rules)
+            return NamedSharding(self.mesh, spec)
+
+        return jax.tree.map(one, tree)
+
+    def plan(self, state: TrainState, batch: RolloutBatch) -> UpdatePlan | None:
+        """The packed layout of this update (``cfg.pack_sequences``), planned on the host."""
+        if not self.cfg.pack_sequences:
+            return None
+        if self._permutations is None:
+            self._permutations = jax.jit(
+                functools.partial(epoch_permutations, self.cfg), static_argnums=1
+            )
+        perms = np.asarray(jax.device_get(self._permutations(state.key, batch.batch_size)))
+        return plan_update(
+            batch, perms, self.cfg.num_minibatches, self.cfg.grad_accum, self._data_parallel()
+        )
 
     def _batch_shardings(self, batch: RolloutBatch):
         if self.mesh is None:
@@ -627,41 +710,55 @@ class PPOTrainer:
 
     def update(self, state: TrainState, batch: RolloutBatch):
         check_batch_layout(self.cfg, batch.batch_size, self.mesh, self.rules)
-        return self.jitted_update(state, batch)(state, batch, self.frozen)
+        plan = self.plan(state, batch)
+        return self.jitted_update(state, batch, plan)(state, batch, self.frozen, plan)
 
-    def jitted_update(self, state: TrainState, batch: RolloutBatch):
-        """The jitted ``(state, batch, frozen) -> (state, metrics)``; ``state`` and ``batch``
-        may be abstract (``jax.ShapeDtypeStruct``s), for ahead-of-time lowering."""
-        if self._update is None:
+    def jitted_update(self, state: TrainState, batch: RolloutBatch, plan: UpdatePlan | None = None):
+        """The jitted ``(state, batch, frozen, plan) -> (state, metrics)``; ``state``, ``batch``
+        and ``plan`` may be abstract (``jax.ShapeDtypeStruct``s), for ahead-of-time lowering.
+        ``plan`` is None for padded rows. One jitted function serves every packed shape
+        (jit retraces per shape); shardings depend only on whether the rows are packed."""
+        packed = plan is not None
+        if packed not in self._update:
             update = functools.partial(
                 ppo_update, self.cfg, self.policy_graph, self.value_graph, mesh=self.mesh,
                 rules=self.rules,
             )  # fmt: skip
-            fn = lambda state, batch, frozen: update(state, batch, frozen=frozen)
+            fn = lambda state, batch, frozen, plan: update(state, batch, frozen=frozen, plan=plan)
             if self.mesh is None:
-                self._update = jax.jit(fn, donate_argnums=0)
+                jitted = jax.jit(fn, donate_argnums=0)
             else:
                 state_sh = self.state_shardings(state)
                 frozen_sh = (
                     None if self.frozen is None
                     else state_shardings(self.frozen, self.mesh, self.rules)
                 )  # fmt: skip
-                self._update = jax.jit(
+                plan_sh = None
+                if plan is not None:
+                    # Rows of each unit [E, M, G, N, L] over the data axes; the gather index
+                    # [E, M, G, b, T] like the unit's batch rows.
+                    plan_sh = UpdatePlan(
+                        permutations=replicated(self.mesh),
+                        rows=self._packed_sharding(plan.rows, rows_axis=3),
+                    )
+                jitted = jax.jit(
                     fn,
-                    in_shardings=(state_sh, self._batch_shardings(batch), frozen_sh),
+                    in_shardings=(state_sh, self._batch_shardings(batch), frozen_sh, plan_sh),
                     out_shardings=(state_sh, replicated(self.mesh)),
                     donate_argnums=0,
                 )
-        return self._update
+            self._update[packed] = jitted
+        return self._update[packed]
 
     def score(self, state: TrainState, ref_params, batch: RolloutBatch) -> RolloutBatch:
+        packed = pack_batch(batch, self._data_parallel()) if self.cfg.pack_sequences else None
         if self._score is None:
 
-            def fn(policy, ref, value, batch, frozen):
+            def fn(policy, ref, value, batch, frozen, packed):
                 with activation_sharding(self.mesh, self.rules):
                     return score_rollout(
                         self.policy_graph, self.value_graph, policy, ref, value, batch, frozen,
-                        self.cfg.sampling_temperature,
+                        self.cfg.sampling_temperature, packed,
                     )  # fmt: skip
 
             if self.mesh is None:
@@ -671,15 +768,16 @@ class PPOTrainer:
                     None if tree is None else state_shardings(tree, self.mesh, self.rules)
                 )
                 batch_sh = self._batch_shardings(batch)
+                packed_sh = None if packed is None else self._packed_sharding(packed, rows_axis=0)
                 self._score = jax.jit(
                     fn,
                     in_shardings=(
                         sh(state.policy), sh(ref_params), sh(state.value), batch_sh,
-                        sh(self.frozen),
+                        sh(self.frozen), packed_sh,
                     ),
                     out_shardings=batch_sh,
                 )  # fmt: skip
-        return self._score(state.policy, ref_params, state.value, batch, self.frozen)
+        return self._score(state.policy, ref_params, state.value, batch, self.frozen, packed)
 
     def advantages(self, state: TrainState, batch: RolloutBatch) -> RolloutBatch:
         if self._advantages is None:

@@ -818,10 +818,24 @@ class PostTrainRun:
             up = ro.update
             t_collected = time.perf_counter()
             prompt_tokens, prompt_mask = self.sampler.prepare(up.ids, c.rollout.max_new_tokens)
-            # Most responses stop well before max_new_tokens, and the update's cost grows
-            # with the padded width: cut to the longest response, rounded up to a multiple
-            # of 8 so at most a few widths compile. Masked positions add nothing to any loss.
-            width = min(c.rollout.max_new_tokens, -(-max(int(up.lengths.max()), 1) // 8) * 8)
+            sampled_prompt_len = prompt_tokens.shape[1]
+            scored_tokens = None  # padded rows: the whole [B, P + T] batch
+            if self.ppo_cfg.pack_sequences:
+                scored_tokens = int(prompt_mask.sum()) + int(up.lengths.sum())
+                # Packed rows carry real tokens only, so padding is free: one batch shape
+                # (the widest prompt bucket, every response column) compiles once.
+                extra = max(max(self.sampler.buckets) - prompt_tokens.shape[1], 0)
+                prompt_tokens = np.pad(
+                    prompt_tokens, ((0, 0), (extra, 0)), constant_values=self.tokenizer.pad_id
+                )
+                prompt_mask = np.pad(prompt_mask, ((0, 0), (extra, 0)))
+                width = c.rollout.max_new_tokens
+            else:
+                # Most responses stop well before max_new_tokens, and the update's cost
+                # grows with the padded width: cut to the longest response, rounded up to a
+                # multiple of 8 so at most a few widths compile. Masked positions add
+                # nothing to any loss.
+                width = min(c.rollout.max_new_tokens, -(-max(int(up.lengths.max()), 1) // 8) * 8)
             batch = new_rollout_batch(
                 prompt_tokens, prompt_mask, up.tokens[:, :width], up.mask[:, :width],
                 sequence_rewards=up.rewards,
@@ -866,9 +880,9 @@ class PostTrainRun:
             metrics.update(learned_metrics)
             metrics.update(self.loader.metrics())
             flops = rl_step_model_flops(
-                self.n_policy_params, len(up.ids), prompt_tokens.shape[1], width,
+                self.n_policy_params, len(up.ids), sampled_prompt_len, width,
                 int(up.lengths.sum()), epochs=self.ppo_cfg.epochs,
-                critic=self.ppo_cfg.uses_critic,
+                critic=self.ppo_cfg.uses_critic, scored_tokens=scored_tokens,
             )  # fmt: skip
             metrics.update({
                 "time/generate_s": ro.generate_s, "time/verify_s": ro.verify_s,
