@@ -1,5 +1,7 @@
 """Sequence packing: the planner's layout, and packed scoring and updates against padded rows."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,11 +85,18 @@ def test_packed_logits_equal_each_sequence_run_alone():
     flat = np.asarray(logits).reshape(-1, logits.shape[-1])
     tokens, input_mask = np.asarray(batch.tokens), np.asarray(batch.input_mask)
     response_mask = np.asarray(batch.response_mask)
+    # Each sequence's real tokens moved to the start of its own row, positions 0..n-1 and
+    # no segment ids: under causal attention, the junk after a sequence cannot reach it.
+    lengths = input_mask.sum(axis=1)
+    alone_tokens = np.zeros_like(tokens)
     for row in range(B):
-        real = tokens[row][input_mask[row]][None]  # [1, n]
-        alone, _ = lm(jnp.asarray(real))
+        alone_tokens[row, : lengths[row]] = tokens[row][input_mask[row]]
+    alone, _ = lm(jnp.asarray(alone_tokens))  # [B, P + T, V]
+    alone = np.asarray(alone)
+    for row in range(B):
         n_resp = int(response_mask[row].sum())
-        expected = np.asarray(alone)[0, -n_resp - 1 : -1]  # logits predicting the response
+        end = int(lengths[row])
+        expected = alone[row, end - n_resp - 1 : end - 1]  # logits predicting the response
         got = flat[np.asarray(packed.logit_index)[row, :n_resp]]
         np.testing.assert_allclose(got, expected, atol=2e-5, rtol=2e-5)
 
@@ -110,6 +119,7 @@ def test_plan_units_follow_the_update_permutations():
     assert plan.rows.tokens.shape[3] % 4 == 0
 
 
+@functools.cache  # the mesh test reuses the packed GRPO run of the equivalence test
 def _run(cfg, mesh=None):
     policy_graph, policy = create_model(lambda r: CausalLM(CFG, rngs=r), jax.random.key(0), mesh)
     value_graph, value = create_model(lambda r: ValueModel(CFG, rngs=r), jax.random.key(1), mesh)
@@ -157,7 +167,8 @@ def test_packed_update_equals_padded_update(fields):
 
 def test_packed_update_on_a_mesh_matches_one_device(devices):
     cfg = PPOConfig(
-        epochs=2, num_minibatches=2, learning_rate=1e-3, estimator="grpo", num_groups=B // 4,
+        epochs=2, num_minibatches=2, learning_rate=1e-3, value_learning_rate=1e-3,
+        estimator="grpo", num_groups=B // 4, kl_placement="loss", sampling_temperature=1.3,
         pack_sequences=True,
     )  # fmt: skip
     single = _run(cfg)
