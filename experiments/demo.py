@@ -108,7 +108,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # True (grpo / dr_grpo): each token is credited with the group-normalised rewards of
     # its own and later steps, so process rewards (rewards.process > 0) act per step.
     config.ppo.step_advantages = False
-    # Score and update on packed rows: arithmetic rows are a fifth of the padded width.
+    # Score and update on packed rows: on the demo's length mix real tokens fill about 40%
+    # of the padded width (benchmarks/packing.py).
     config.ppo.pack_sequences = True
 
     config.rewards = ml_collections.ConfigDict()
