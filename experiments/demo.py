@@ -182,6 +182,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.eval = ml_collections.ConfigDict()
     config.eval.heldout_items = 200
     config.eval.ood_items = 100
+    # > 0: also score this many training-partition items per domain (greedy only); the gap
+    # to the held-out score is what the policy has memorised rather than learnt.
+    config.eval.train_items = 0
     config.eval.n_samples = 4  # at temperature 1, for pass@k
     config.eval.k = 4
     config.eval.every = 40  # PPO steps between periodic held-out greedy evaluations
@@ -233,6 +236,7 @@ def shrink_for_runlocal(config: ml_collections.ConfigDict) -> None:
     config.curriculum.difficulty.window = 8
     config.eval.heldout_items = 4
     config.eval.ood_items = 4
+    config.eval.train_items = 4
     config.eval.n_samples = 2
     config.eval.k = 2
     config.eval.every = 2

@@ -40,7 +40,9 @@ from rlpt.sampling import Sampler, SamplingParams
 from rlpt.tasks import Domain, Task, VerifyResult
 from rlpt.tokenizers import Tokenizer, decode_response
 
-SPLITS = ("heldout", "ood")
+# "train" (off unless asked for) scores training-partition items the same way: its gap to
+# "heldout" shows how much of a domain the policy has memorised rather than learnt.
+SPLITS = ("heldout", "ood", "train")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -162,21 +164,46 @@ def make_eval_sets(
     heldout_items: int,
     ood_items: int,
     seed: int,
+    train_items: int = 0,
 ) -> dict[str, dict[str, list[Task]]]:
     """``{split: {domain: tasks}}``: held-out items spread evenly over levels
     ``1..train_max_level[d]``; OOD items at ``train_max_level[d] + 1`` (omitted where
-    the domain has no such level)."""
+    the domain has no such level); with ``train_items > 0``, training-partition items
+    spread over the same levels as the held-out ones."""
     sets: dict[str, dict[str, list[Task]]] = {"heldout": {}, "ood": {}}
+    if train_items > 0:
+        sets["train"] = {}
     for name, domain in domains.items():
         top = int(train_max_level[name])
-        per_level = [heldout_items // top + (lvl < heldout_items % top) for lvl in range(top)]
-        tasks = []
-        for lvl, n in enumerate(per_level, start=1):
-            tasks += domain.tasks("heldout", n, lvl, seed=seed)
-        sets["heldout"][name] = tasks
+        sets["heldout"][name] = _over_levels(domain, "heldout", heldout_items, top, seed)
         if ood_items > 0 and top + 1 <= domain.max_difficulty:
             sets["ood"][name] = domain.tasks("ood", ood_items, top + 1, seed=seed)
+        if train_items > 0:
+            sets["train"][name] = _over_levels(domain, "train", train_items, top, seed)
     return sets
+
+
+def _over_levels(domain: Domain, split: str, n: int, top: int, seed: int) -> list[Task]:
+    """``n`` tasks of ``split`` spread evenly over levels ``1..top``, in level order."""
+    per_level = [n // top + (lvl < n % top) for lvl in range(top)]
+    tasks: list[Task] = []
+    for lvl, count in enumerate(per_level, start=1):
+        tasks += domain.tasks(split, count, lvl, seed=seed)
+    return tasks
+
+
+def _by_level(tasks: Sequence[Task], results: Sequence[VerifyResult]) -> dict[str, Any]:
+    """Greedy pass@1 per difficulty level: where a domain's score comes from."""
+    out: dict[str, Any] = {}
+    for level in sorted({t.difficulty for t in tasks}):
+        rows = [(t, r) for t, r in zip(tasks, results) if t.difficulty == level]
+        ok = [float(r.correct) for _, r in rows if r.valid]
+        out[str(level)] = {
+            "pass@1": mean_and_stderr(ok)[0],
+            "items": len(rows),
+            "distinct_items": len({t.prompt for t, _ in rows}),
+        }
+    return out
 
 
 def _spread(items: list, n: int) -> list:
@@ -260,8 +287,10 @@ class Evaluator:
                     "distinct_items": len({t.prompt for t in tasks}),
                     "sandbox_failures": int(len(valid) - sum(valid)),
                     "truncated": float(np.mean(truncated)),
+                    "by_level": _by_level(tasks, res),
                 }
-                if n_samples:
+                # Training items only measure the memorisation gap: greedy is enough.
+                if n_samples and split != "train":
                     reps = [t for t in tasks for _ in range(n_samples)]
                     _, _, sres = self._run(params, reps, jax.random.fold_in(sub, 1), sampled)
                     per_item, sample_ok = [], []
@@ -308,7 +337,8 @@ def check_sampling(n_samples: int, k: int) -> None:
 
 
 def flatten_results(results: Mapping[str, Any], k: int) -> dict[str, float]:
-    """``eval/DOMAIN/pass@1``, ``eval/DOMAIN/pass@K`` (held-out) and ``eval/DOMAIN/ood/...``."""
+    """``eval/DOMAIN/pass@1``, ``eval/DOMAIN/pass@K`` (held-out), ``eval/DOMAIN/ood/...`` and
+    ``eval/DOMAIN/train/...``."""
     out: dict[str, float] = {}
     for split, by_domain in results.items():
         for name, r in by_domain.items():
@@ -324,16 +354,18 @@ def format_table(results: Mapping[str, Any], k: int) -> str:
     """A readable table: one row per (split, domain)."""
     header = (
         f"{'split':8} {'domain':20} {'items':>5} {'uniq':>5} {'pass@1':>15} {f'pass@{k}':>15} "
-        f"{'fail':>4}"
+        f"{'fail':>4}  pass@1 by level"
     )
     lines = [header, "-" * len(header)]
     for split, by_domain in results.items():
         for name, r in sorted(by_domain.items()):
             p1 = f"{r['pass@1']:.3f}±{r['pass@1_se']:.3f}"
             pk = f"{r[f'pass@{k}']:.3f}±{r[f'pass@{k}_se']:.3f}" if f"pass@{k}" in r else "-"
+            by_level = r.get("by_level", {}).items()
+            levels = " ".join(f"{lvl}:{v['pass@1']:.2f}" for lvl, v in by_level)
             lines.append(
                 f"{split:8} {name:20} {r['items']:>5} {r.get('distinct_items', r['items']):>5} "
-                f"{p1:>15} {pk:>15} {r['sandbox_failures']:>4}"
+                f"{p1:>15} {pk:>15} {r['sandbox_failures']:>4}  {levels}"
             )
     return "\n".join(lines)
 
@@ -351,6 +383,7 @@ def evaluate_hf(
     max_new_tokens: int,
     batch_size: int,
     seed: int,
+    train_items: int = 0,
 ) -> dict[str, Any]:
     """Evaluates a Hugging Face directory or an rlpt interop checkpoint (with ``adapter``)."""
     import ml_collections
@@ -363,7 +396,7 @@ def evaluate_hf(
         "train_max_level": {"default": max_level},
         "sandbox": {"workers": 2, "timeout_s": 1.0, "memory_mb": 256},
         "rollout": {"max_new_tokens": max_new_tokens},
-        "eval": {"heldout_items": heldout_items, "ood_items": ood_items,
+        "eval": {"heldout_items": heldout_items, "ood_items": ood_items, "train_items": train_items,
                  "n_samples": n_samples, "k": k, "batch_size": batch_size, "seed": seed},
     })  # fmt: skip
     domain_objs = post_train.make_domains(config)
@@ -403,6 +436,7 @@ def main(argv: Sequence[str]) -> None:
             _HF.value, adapter=_ADAPTER.value, domains=_DOMAINS.value, max_level=_MAX_LEVEL.value,
             heldout_items=_HELDOUT.value, ood_items=_OOD.value, n_samples=_N_SAMPLES.value,
             k=_K.value, max_new_tokens=_MAX_NEW.value, batch_size=_BATCH.value, seed=_SEED.value,
+            train_items=_TRAIN.value,
         )  # fmt: skip
         path = _OUTPUT.value
     k = result["k"]
@@ -427,7 +461,8 @@ if __name__ == "__main__":
         "A LoRA adapter by name (DIR/adapters/NAME) or an adapter directory.",
     )  # fmt: skip
     # With --hf these set the evaluation; with --workdir the run's own config does, and
-    # --seed, --heldout_items, --ood_items, --n_samples, --k, --batch_size replace it
+    # --seed, --heldout_items, --ood_items, --train_items, --n_samples, --k, --batch_size
+    # replace it
     # where given (the rest are --hf only).
     _DOMAINS = flags.DEFINE_list(
         "domains", ["arithmetic", "stepwise_math", "program_synthesis"], "Domains to evaluate."
@@ -435,6 +470,11 @@ if __name__ == "__main__":
     _MAX_LEVEL = flags.DEFINE_integer("max_level", 2, "Held-out levels 1..N; OOD at N + 1.")
     _HELDOUT = flags.DEFINE_integer("heldout_items", 200, "Held-out items per domain.")
     _OOD = flags.DEFINE_integer("ood_items", 100, "OOD items per domain.")
+    _TRAIN = flags.DEFINE_integer(
+        "train_items", 0,
+        "Training-partition items per domain, scored greedily beside the held-out ones: the "
+        "gap between the two is what the policy memorised.",
+    )  # fmt: skip
     _N_SAMPLES = flags.DEFINE_integer("n_samples", 4, "Samples per item for pass@k.")
     _K = flags.DEFINE_integer(
         "k", 4, "k of pass@k, at least 2 (the sampled pass@1 is reported as sample_pass@1)."

@@ -8,6 +8,7 @@ import pytest
 
 from rlpt import eval as ev
 from rlpt.tasks import Task, VerifyResult, get_domain
+from rlpt.tasks.base import partition_of
 from rlpt.tokenizers import ByteTokenizer
 
 
@@ -110,6 +111,38 @@ def test_eval_sets_spread_over_trained_levels_and_ood_is_one_above():
     assert [t.difficulty for t in sets["ood"]["arithmetic"]] == [3, 3, 3]
 
 
+def test_train_items_come_from_the_training_partition_over_the_same_levels():
+    domains = {"arithmetic": get_domain("arithmetic")}
+    sets = ev.make_eval_sets(
+        domains, {"arithmetic": 2}, heldout_items=6, ood_items=0, seed=0, train_items=5
+    )
+    train = sets["train"]["arithmetic"]
+    assert sorted(t.difficulty for t in train) == [1, 1, 1, 2, 2]
+    assert {t.split for t in train} == {"train"}
+    fraction = domains["arithmetic"].heldout_fraction
+    assert {partition_of(t.prompt, fraction) for t in train} == {"train"}
+    assert not {t.prompt for t in train} & {t.prompt for t in sets["heldout"]["arithmetic"]}
+    assert "train" not in ev.make_eval_sets(domains, {"arithmetic": 2}, heldout_items=2,
+                                            ood_items=0, seed=0)  # fmt: skip
+
+
+def test_pass_at_1_by_level_counts_valid_items_per_level():
+    tasks = [
+        Task(id=str(i), domain="d", prompt=p, difficulty=lvl)
+        for i, (p, lvl) in enumerate([("a", 1), ("a", 1), ("b", 1), ("c", 2), ("d", 2)])
+    ]
+    results = [
+        VerifyResult(1.0, "correct"), VerifyResult(1.0, "correct"), VerifyResult(0.0, "wrong"),
+        VerifyResult(0.0, "timeout", valid=False), VerifyResult(0.0, "wrong"),
+    ]  # fmt: skip
+    got = ev._by_level(tasks, results)
+    # Level 1: two of three right; level 2: the sandbox failure is left out, 0 of 1 right.
+    assert got == {
+        "1": {"pass@1": pytest.approx(2 / 3), "items": 3, "distinct_items": 2},
+        "2": {"pass@1": 0.0, "items": 2, "distinct_items": 2},
+    }
+
+
 def test_decode_response_marks_ids_past_the_vocabulary():
     tok = ByteTokenizer()
     ids = tok.encode("ab") + [tok.vocab_size + 1] + tok.encode("c")
@@ -129,6 +162,17 @@ def test_flatten_and_table():
     assert flat["eval/arithmetic/ood/pass@1"] == 0.25
     table = ev.format_table(results, 4)
     assert "arithmetic" in table and "0.500±0.100" in table
+    results["train"] = {
+        "arithmetic": {
+            "pass@1": 0.9,
+            "pass@1_se": 0.05,
+            "items": 10,
+            "sandbox_failures": 0,
+            "by_level": {"1": {"pass@1": 1.0}, "2": {"pass@1": 0.8}},
+        }
+    }
+    assert ev.flatten_results(results, 4)["eval/arithmetic/train/pass@1"] == 0.9
+    assert "1:1.00 2:0.80" in ev.format_table(results, 4)
 
 
 def test_periodic_subset_is_spread_over_the_levels():

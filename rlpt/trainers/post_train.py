@@ -244,6 +244,7 @@ def make_eval_data(config, domains):
     return make_eval_sets(
         domains, train_levels(config, domains), heldout_items=config.eval.heldout_items,
         ood_items=config.eval.ood_items, seed=config.eval.seed,
+        train_items=int(config.eval.get("train_items", 0) or 0),
     )  # fmt: skip
 
 
@@ -1103,6 +1104,12 @@ class PostTrainRun:
             },
             "wall_s": float(self.meta["elapsed_s"]),
         }
+        if ev.get("final", {}).get("train"):
+            # The memorisation gap: the same greedy score on training-partition items.
+            summary["eval"]["train"] = {
+                "sft": pick("sft", "train", "pass@1"),
+                "final": pick("final", "train", "pass@1"),
+            }
         if self.meta.get("reward_models"):
             summary["reward_models"] = self.meta["reward_models"]
         with open(os.path.join(self.workdir, SUMMARY_FILE), "w", encoding="utf-8") as f:
@@ -1192,7 +1199,15 @@ def restore_policy(workdir: str) -> RestoredPolicy:
 
 # What `evaluate_checkpoint(eval_overrides=...)` may change: the item draw and how each
 # item is scored, never which domains or levels (those are the run's own).
-EVAL_OVERRIDES = ("seed", "heldout_items", "ood_items", "n_samples", "k", "batch_size")
+EVAL_OVERRIDES = (
+    "seed",
+    "heldout_items",
+    "ood_items",
+    "train_items",
+    "n_samples",
+    "k",
+    "batch_size",
+)
 
 
 def evaluate_checkpoint(

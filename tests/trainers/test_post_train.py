@@ -117,6 +117,9 @@ def test_summary_has_the_conventional_shape(reference_run):
     assert e["k"] == 2
     for key in ("sft", "final", "sft_pass_at_k", "final_pass_at_k"):
         assert set(e[key]) == domains
+    # runlocal scores training items too: the memorisation gap beside the held-out score.
+    assert set(e["train"]["sft"]) == set(e["train"]["final"]) == domains
+    assert all(0.0 <= v <= 1.0 for v in e["train"]["final"].values())
     assert set(on_disk["curriculum"]["weights"]) == domains
     assert sum(on_disk["curriculum"]["weights"].values()) == pytest.approx(1.0)
     assert set(on_disk["curriculum"]["difficulty"]) == domains
@@ -258,10 +261,23 @@ def test_eval_overrides_redraw_items_without_touching_the_run(reference_run, mon
 
     monkeypatch.setattr(post_train, "make_eval_sets", spy)
     out = post_train.evaluate_checkpoint(
-        workdir, eval_overrides={"seed": 7, "heldout_items": 6, "ood_items": 0}
+        workdir, eval_overrides={"seed": 7, "heldout_items": 6, "ood_items": 0, "train_items": 4}
     )
     assert (draws[-1]["seed"], draws[-1]["heldout_items"], draws[-1]["ood_items"]) == (7, 6, 0)
     assert {r["items"] for r in out["results"]["heldout"].values()} == {6}
+    # Training items are scored greedily only, with the per-level breakdown every split has.
+    train_results = out["results"]["train"]
+    assert {r["items"] for r in train_results.values()} == {4}
+    for name, r in train_results.items():
+        assert f"pass@{out['k']}" not in r and "sample_pass@1" not in r
+        assert sum(v["items"] for v in r["by_level"].values()) == 4
+        assert out[f"eval/{name}/train/pass@1"] == r["pass@1"]
+        held = out["results"]["heldout"][name]
+        if not held["sandbox_failures"]:  # then every item counts at its level
+            levels = held["by_level"].values()
+            assert held["pass@1"] == pytest.approx(
+                sum(v["pass@1"] * v["items"] for v in levels) / held["items"]
+            )
     post_train.evaluate_checkpoint(workdir)
     assert draws[-1]["seed"] != 7  # the run's own config is untouched
     with open(os.path.join(workdir, "run_config.json")) as f:
