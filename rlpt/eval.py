@@ -170,6 +170,10 @@ def make_eval_sets(
     ``1..train_max_level[d]``; OOD items at ``train_max_level[d] + 1`` (omitted where
     the domain has no such level); with ``train_items > 0``, training-partition items
     spread over the same levels as the held-out ones."""
+    counts = {"heldout_items": heldout_items, "ood_items": ood_items, "train_items": train_items}
+    for field, count in counts.items():
+        if count < 0:
+            raise ValueError(f"eval.{field} must be >= 0, got {count}")
     sets: dict[str, dict[str, list[Task]]] = {"heldout": {}, "ood": {}}
     if train_items > 0:
         sets["train"] = {}
@@ -462,8 +466,7 @@ if __name__ == "__main__":
     )  # fmt: skip
     # With --hf these set the evaluation; with --workdir the run's own config does, and
     # --seed, --heldout_items, --ood_items, --train_items, --n_samples, --k, --batch_size
-    # replace it
-    # where given (the rest are --hf only).
+    # replace it where given (the rest are --hf only).
     _DOMAINS = flags.DEFINE_list(
         "domains", ["arithmetic", "stepwise_math", "program_synthesis"], "Domains to evaluate."
     )

@@ -122,6 +122,9 @@ def test_train_items_come_from_the_training_partition_over_the_same_levels():
     fraction = domains["arithmetic"].heldout_fraction
     assert {partition_of(t.prompt, fraction) for t in train} == {"train"}
     assert not {t.prompt for t in train} & {t.prompt for t in sets["heldout"]["arithmetic"]}
+    with pytest.raises(ValueError, match="eval.train_items must be >= 0, got -1"):
+        ev.make_eval_sets(domains, {"arithmetic": 2}, heldout_items=2, ood_items=0, seed=0,
+                          train_items=-1)  # fmt: skip
     assert "train" not in ev.make_eval_sets(domains, {"arithmetic": 2}, heldout_items=2,
                                             ood_items=0, seed=0)  # fmt: skip
 
