@@ -1,5 +1,6 @@
 """rlpt.eval: the pass@k estimator, standard errors, the verifier cache, eval sets, the table."""
 
+import collections
 import itertools
 import math
 
@@ -8,7 +9,7 @@ import pytest
 
 from rlpt import eval as ev
 from rlpt.tasks import Task, VerifyResult, get_domain
-from rlpt.tasks.base import partition_of
+from rlpt.tasks.base import AnswerDomain, Problem, partition_of
 from rlpt.tokenizers import ByteTokenizer
 
 
@@ -127,6 +128,36 @@ def test_train_items_come_from_the_training_partition_over_the_same_levels():
                           train_items=-1)  # fmt: skip
     assert "train" not in ev.make_eval_sets(domains, {"arithmetic": 2}, heldout_items=2,
                                             ood_items=0, seed=0)  # fmt: skip
+
+
+class _SmallSpaceDomain(AnswerDomain):
+    """Level 1 has three prompts in all; level 2 has a million."""
+
+    name = "small_space"
+    max_difficulty = 2
+    heldout_fraction = 1.0  # every prompt is held out, so level 1 has exactly three
+
+    def _sample(self, rng, difficulty):
+        size = 3 if difficulty == 1 else 10**6
+        return Problem(prompt=f"q{difficulty}-{rng.randrange(size)}", answer="0")
+
+    def demonstration(self, task):
+        return ""
+
+    def verify_one(self, task, completion):
+        return VerifyResult(0.0, "wrong")
+
+
+def test_eval_items_are_distinct_and_a_small_level_repeats_its_prompts_evenly():
+    sets = ev.make_eval_sets({"s": _SmallSpaceDomain()}, {"s": 2}, heldout_items=14,
+                             ood_items=0, seed=0)  # fmt: skip
+    tasks = sets["heldout"]["s"]
+    level1 = [t.prompt for t in tasks if t.difficulty == 1]
+    level2 = [t.prompt for t in tasks if t.difficulty == 2]
+    assert len(level1) == len(level2) == 7
+    assert len(set(level2)) == 7
+    # Three prompts over seven items: each two or three times, never one hogging the level.
+    assert sorted(collections.Counter(level1).values()) == [2, 2, 3]
 
 
 def test_pass_at_1_by_level_counts_valid_items_per_level():
