@@ -37,6 +37,9 @@ setup(
         "dev": [
             "pytest",
             "pytest-timeout",
+            # Two test processes keep both cores busy; files stay whole per worker so
+            # module and session fixtures are built once per file.
+            "pytest-xdist",
             "ruff",
         ],
         "reasoning": ["reasoning-gym"],

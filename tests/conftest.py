@@ -32,3 +32,24 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, f"expected 8 host CPU devices, got {len(devs)}"
     return devs
+
+
+# The longest files, started first: with two xdist workers (the README's test command,
+# `--dist loadfile --no-loadscope-reorder` keeps this order) a long file left for last
+# runs alone on one core.
+_LONGEST_FILES = (
+    "tests/trainers/test_learned_rewards.py",
+    "tests/parallel/test_multihost.py",
+    "tests/trainers/test_post_train.py",
+    "tests/experiments/test_configs.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    del config
+
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return _LONGEST_FILES.index(path) if path in _LONGEST_FILES else len(_LONGEST_FILES)
+
+    items.sort(key=rank)  # stable: every other file keeps its order
