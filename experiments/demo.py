@@ -72,8 +72,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # The update scores rollouts under the tempered distribution they were drawn from.
     # From the seed-0 warm start, over 450 RL steps, held-out program_synthesis gained +9
     # points at 1.0, +22 at 1.2, +29 at 1.2 with ppo.epochs 2 and +31.5 at 1.4 with
-    # ppo.epochs 2. Packed rows (ppo.pack_sequences) halve the scoring and update time;
-    # 420 steps take about 1070 s in all on a 2-core machine (680 steps: 1600 s).
+    # ppo.epochs 2 (held-out items then drawn independently, not distinct per level).
+    # Packed rows (ppo.pack_sequences) halve the scoring and update time; 420 steps take
+    # 1070-1310 s in all on a 2-core machine, whose speed varies (680 steps: 1600 s).
     config.rollout.temperature = 1.4
     config.rollout.buckets = (16, 32, 64)
     # DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage under
