@@ -25,6 +25,7 @@ output. ``--adapter`` picks one of several LoRA adapters trained over the same b
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import math
 import os
@@ -206,11 +207,11 @@ def _over_levels(domain: Domain, split: str, n: int, top: int, seed: int) -> lis
 
 
 def _distinct(domain: Domain, split: str, count: int, level: int, seed: int) -> list[Task]:
-    """``count`` tasks of ``split`` at ``level`` with distinct prompts, from the seeds
-    ``domain.tasks`` uses; where fewer exist, every one found repeats equally often."""
+    """``count`` tasks of ``split`` at ``level`` with distinct prompts, in the order of
+    ``domain.task_stream``; where fewer exist, every one found repeats equally often."""
     distinct: dict[str, Task] = {}
-    for i in range(count * _CANDIDATES_PER_ITEM):
-        task = domain.generate(split, seed * 2**32 + i, level)
+    stream = domain.task_stream(split, level, seed)
+    for task in itertools.islice(stream, count * _CANDIDATES_PER_ITEM):
         distinct.setdefault(task.prompt, task)
         if len(distinct) == count:
             break

@@ -16,8 +16,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 import hashlib
+import itertools
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 STEP = "<step>"
@@ -170,12 +171,17 @@ class Domain(abc.ABC):
             f"{self._max_attempts} samples; the problem space is too small"
         )
 
-    def tasks(self, split: str, n: int, difficulty: int, seed: int = 0) -> list[Task]:
-        """``n`` tasks; task ``i`` is ``generate(split, seed * 2**32 + i, difficulty)``.
+    def task_stream(self, split: str, difficulty: int, seed: int = 0) -> Iterator[Task]:
+        """Task ``i`` is ``generate(split, seed * 2**32 + i, difficulty)``, without end.
 
-        The stride keeps the task lists of different ``seed`` values apart.
+        The stride keeps the streams of different ``seed`` values apart.
         """
-        return [self.generate(split, seed * 2**32 + i, difficulty) for i in range(n)]
+        for i in itertools.count():
+            yield self.generate(split, seed * 2**32 + i, difficulty)
+
+    def tasks(self, split: str, n: int, difficulty: int, seed: int = 0) -> list[Task]:
+        """The first ``n`` tasks of ``task_stream``."""
+        return list(itertools.islice(self.task_stream(split, difficulty, seed), n))
 
     @abc.abstractmethod
     def demonstration(self, task: Task) -> str:
