@@ -112,6 +112,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Score and update on packed rows: on the demo's length mix real tokens fill about 40%
     # of the padded width (benchmarks/packing.py).
     config.ppo.pack_sequences = True
+    # > 0: a self-imitation term, this times the NLL of the rollout's verified-correct
+    # completions, beside the clipped surrogate (``rlpt.rl.losses.imitation_loss``).
+    config.ppo.imitation_coef = 0.0
 
     config.rewards = ml_collections.ConfigDict()
     config.rewards.outcome = 1.0  # the domain verifier's reward (code: hidden-test pass rate)

@@ -77,7 +77,7 @@ def compile_ppo_step(
             "response_mask", "rewards", "old_logp", "ref_logp", "values", "advantages",
             "returns", "step_mask")},
         loss_weight=spec((batch,), jnp.float32), group_id=spec((batch,), jnp.int32),
-        truncated=spec((batch,), jnp.bool_),
+        truncated=spec((batch,), jnp.bool_), imitation_weight=spec((batch,), jnp.float32),
     )  # fmt: skip
     trainer = PPOTrainer(ppo, policy_graph, value_graph if critic else None, mesh=mesh)
     fn = trainer.jitted_update(state, rollout)

@@ -39,6 +39,9 @@ class RolloutBatch:
     group_id: jax.Array  # [B] int32, rows sampled from the same prompt share it
     step_mask: jax.Array  # [B, T] float32, 1 at the last token of each reasoning step
     truncated: jax.Array  # [B] bool, cut at the length limit without an end token
+    # [B] float32: 1 for rows the self-imitation term (``ppo.imitation_coef``) trains on,
+    # the policy's own verified-correct completions; 0 elsewhere.
+    imitation_weight: jax.Array
 
     @property
     def prompt_len(self) -> int:
@@ -60,6 +63,7 @@ def new_rollout_batch(
     group_id: np.ndarray | None = None,
     truncated: np.ndarray | None = None,
     step_token_id: int | None = None,
+    imitation_weight: np.ndarray | None = None,
 ) -> RolloutBatch:
     """A batch from sampler output, with scoring and advantage fields zeroed."""
     prompt_mask = np.asarray(prompt_mask, bool)
@@ -85,6 +89,8 @@ def new_rollout_batch(
         group_id = np.arange(batch, dtype=np.int32)
     if truncated is None:
         truncated = np.zeros(batch, bool)
+    if imitation_weight is None:
+        imitation_weight = np.zeros(batch, np.float32)
     return RolloutBatch(
         tokens=jnp.asarray(tokens),
         positions=jnp.asarray(positions),
@@ -100,4 +106,5 @@ def new_rollout_batch(
         group_id=jnp.asarray(np.asarray(group_id, np.int32)),
         step_mask=jnp.asarray(step_mask),
         truncated=jnp.asarray(np.asarray(truncated, bool)),
+        imitation_weight=jnp.asarray(np.asarray(imitation_weight, np.float32)),
     )

@@ -190,6 +190,47 @@ def policy_loss(
     return loss, jax.lax.stop_gradient(diagnostics)
 
 
+def imitation_loss(
+    logp: jax.Array,
+    mask: jax.Array,
+    imitation_weights: jax.Array,
+    *,
+    aggregation: str = "token_mean",
+    seq_weights: jax.Array | None = None,
+    norm_len: float | None = None,
+) -> jax.Array:
+    """Self-imitation: the negative log-likelihood of the policy's own good samples.
+
+        loss = aggregate(-logp, weights = seq_weights * imitation_weights)
+
+    A supervised term on the rows marked for imitation (the verified-correct
+    completions), as in self-imitation learning (Oh et al. 2018, arXiv:1806.05635)
+    and reward-ranked fine-tuning (RAFT, Dong et al. 2023, arXiv:2304.06767). Unlike
+    the clipped surrogate it is not scaled by a group-relative advantage, so a prompt
+    the policy already mostly solves still sharpens towards its correct answer. It
+    shares the policy loss's aggregation and denominator, so microbatch accumulation
+    and the rows' loss weights treat it exactly alike.
+
+    Args:
+      logp: `[B, T]` log-probabilities of the sampled tokens under the current policy.
+      mask: `[B, T]` response mask.
+      imitation_weights: `[B]` 1 for rows to imitate, 0 elsewhere (any weights >= 0).
+      aggregation, seq_weights, norm_len: see `aggregate`.
+    """
+    chex.assert_rank(logp, 2, custom_message="imitation_loss: `logp` must be [B, T]")
+    chex.assert_equal_shape(
+        [logp, mask], custom_message="imitation_loss: `logp` and `mask` must match"
+    )
+    chex.assert_shape(
+        imitation_weights, (logp.shape[0],),
+        custom_message="imitation_loss: `imitation_weights` must be [B]",
+    )  # fmt: skip
+    weights = imitation_weights.astype(jnp.float32)
+    if seq_weights is not None:
+        weights = weights * seq_weights.astype(jnp.float32)
+    return aggregate(-logp, mask, mode=aggregation, seq_weights=weights, norm_len=norm_len)
+
+
 def value_loss(
     values: jax.Array,
     old_values: jax.Array,

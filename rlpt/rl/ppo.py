@@ -57,6 +57,7 @@ from rlpt.rl.kl import (
 from rlpt.rl.losses import (
     AGGREGATION_MODES,
     aggregate,
+    imitation_loss,
     masked_mean,
     policy_loss,
     token_entropy,
@@ -122,6 +123,10 @@ class PPOConfig:
     # Score and update on packed rows (``rlpt.rl.packing``): the real tokens of several
     # sequences share a row, so padding costs nothing. Same losses up to float rounding.
     pack_sequences: bool = False
+    # > 0: add this times the negative log-likelihood of the rows marked for imitation
+    # (``RolloutBatch.imitation_weight``: the trainer marks verified-correct samples), a
+    # self-imitation term beside the clipped surrogate (``losses.imitation_loss``).
+    imitation_coef: float = 0.0
 
     def __post_init__(self):
         _check_choice("estimator", self.estimator, ESTIMATORS)
@@ -142,6 +147,8 @@ class PPOConfig:
             raise ValueError(
                 f"ppo.sampling_temperature must be > 0, got {self.sampling_temperature}"
             )
+        if not self.imitation_coef >= 0:
+            raise ValueError(f"ppo.imitation_coef must be >= 0, got {self.imitation_coef}")
         for name in ("epochs", "num_minibatches", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ppo.{name} must be >= 1, got {getattr(self, name)}")
@@ -388,12 +395,20 @@ def _microbatch_loss(
             logp, mb.ref_logp, mask, kind=cfg.kl_kind, aggregation=cfg.aggregation,
             seq_weights=mb.loss_weight,
         )  # fmt: skip
+    if cfg.imitation_coef > 0:
+        imitation = imitation_loss(
+            logp, mask, mb.imitation_weight, aggregation=cfg.aggregation,
+            seq_weights=mb.loss_weight,
+        )  # fmt: skip
+        total = total + cfg.imitation_coef * imitation
     metrics = {
         "policy_loss": pg_loss,
         "entropy": entropy,
         "kl": masked_mean(kl_tokens, mask),
         **pg_diag,
     }
+    if cfg.imitation_coef > 0:
+        metrics["imitation_loss"] = imitation
     if value_params is not None:
         values = _values(value_graph, value_params, mb, packed)
         v_loss, v_diag = value_loss(

@@ -842,6 +842,7 @@ class PostTrainRun:
                 sequence_rewards=up.rewards,
                 loss_weight=up.loss_weight * up.weight, group_id=ro.group_id,
                 truncated=up.truncated, step_token_id=self.tokenizer.step_id,
+                imitation_weight=up.success,
             )  # fmt: skip
             batch = self.trainer.score(self.state, self.ref_params, batch)
             learned_metrics, confidence = {}, None

@@ -12,6 +12,7 @@ from rlpt.rl import (
     AGGREGATION_MODES,
     aggregate,
     entropy_from_logits,
+    imitation_loss,
     masked_mean,
     policy_loss,
     token_entropy,
@@ -290,6 +291,48 @@ def test_explained_variance_perfect_prediction(variant):
     returns = jnp.array([[1.0, 2.0, 4.0]])
     _, diag = variant(value_loss)(returns, returns, returns, jnp.ones((1, 3)))
     np.testing.assert_allclose(diag["explained_variance"], 1.0, atol=ATOL)
+
+
+def test_imitation_loss_hand_worked(variant):
+    # Rows 0 and 2 are marked; row 1 is not, and row 2 is weighted 0.5 by its loss weight.
+    logp = jnp.array([[-1.0, -2.0, 9.0], [-3.0, -4.0, -5.0], [-0.5, 9.0, 9.0]])
+    mask = jnp.array([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    marked = jnp.array([1.0, 0.0, 1.0])
+    seq_weights = jnp.array([1.0, 1.0, 0.5])
+    loss = variant(functools.partial(imitation_loss, aggregation="token_mean"))(
+        logp, mask, marked, seq_weights=seq_weights
+    )
+    # Token mean over all 6 real tokens: (1 + 2 + 0.5 * 0.5) / 6.
+    np.testing.assert_allclose(loss, (1.0 + 2.0 + 0.25) / 6.0, atol=ATOL)
+    loss = variant(functools.partial(imitation_loss, aggregation="seq_mean_token_mean"))(
+        logp, mask, marked, seq_weights=seq_weights
+    )
+    # Mean over the 3 non-empty rows of each row's token mean: (1.5 + 0 + 0.5 * 0.5) / 3.
+    np.testing.assert_allclose(loss, (1.5 + 0.25) / 3.0, atol=ATOL)
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_imitation_loss_matches_oracle_and_ignores_unmarked_rows(variant, mode):
+    rng = np.random.default_rng(11)
+    mask = _random_mask(rng)
+    logp = -rng.exponential(size=mask.shape).astype(np.float32)
+    marked = (rng.random(mask.shape[0]) < 0.5).astype(np.float32)
+    marked[1] = 1.0
+    seq_weights = rng.uniform(0.5, 1.5, size=mask.shape[0]).astype(np.float32)
+    fn = variant(functools.partial(imitation_loss, aggregation=mode))
+    loss = fn(jnp.asarray(logp), jnp.asarray(mask), jnp.asarray(marked), seq_weights=seq_weights)
+    expected = _aggregate_oracle(-logp, mask, mode, weights=marked * seq_weights)
+    np.testing.assert_allclose(loss, expected, atol=ATOL)
+    # The gradient reaches the marked rows' real tokens only.
+    grad = jax.grad(lambda lp: imitation_loss(lp, jnp.asarray(mask), jnp.asarray(marked),
+                                              aggregation=mode))(jnp.asarray(logp))  # fmt: skip
+    reached = np.asarray(grad) != 0
+    np.testing.assert_array_equal(reached, (mask > 0) & (marked[:, None] > 0))
+
+
+def test_imitation_loss_rejects_per_token_weights():
+    with pytest.raises(AssertionError, match="imitation_weights"):
+        imitation_loss(jnp.zeros((2, 3)), jnp.ones((2, 3)), jnp.ones((2, 3)))
 
 
 def test_entropy_hand_worked_and_oracle(variant):

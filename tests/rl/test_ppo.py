@@ -108,11 +108,15 @@ def test_accumulated_gradients_equal_whole_minibatch_gradients(single_device_run
     """Compared before the optimiser: Adam's per-element normalisation would amplify
     float32 noise in gradients that cancel to zero (whitened advantages sum to 0)."""
     _, _, scored = single_device_run
+    # Some rows marked for imitation: that term must accumulate exactly too.
+    scored = scored.replace(imitation_weight=jnp.asarray(np.arange(B) % 3 == 0, jnp.float32))
     policy_graph, policy, value_graph, value, _ = _models()
     params = (policy, value)
 
     def grads(accum):
-        cfg = dataclasses.replace(BASE, aggregation=aggregation, grad_accum=accum)
+        cfg = dataclasses.replace(
+            BASE, aggregation=aggregation, grad_accum=accum, imitation_coef=0.5
+        )
         fn = lambda p, b: accumulated_gradients(cfg, policy_graph, value_graph, p, 0.1, b)
         return jax.jit(fn)(params, scored)
 
@@ -179,6 +183,66 @@ def test_weight_zero_rows_leave_the_loss_as_if_absent(aggregation):
     scale = max(float(jnp.abs(g).max()) for g in g_k)
     for a, b in zip(g_w, g_k):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5 * scale)
+
+
+def test_imitation_term_adds_the_nll_of_the_marked_rows():
+    """The loss gains exactly coef times the marked rows' negative log-likelihood over the
+    batch's token count, and no unmarked row changes the gradient."""
+    cfg = PPOConfig(estimator="grpo", num_groups=4, kl_placement="loss", kl_coef=0.1)
+    policy_graph, policy, _, _, ref = _models()
+    trainer = PPOTrainer(cfg, policy_graph)
+    state = init_train_state(cfg, policy, None, jax.random.key(0))
+    marked = np.array([1, 0, 0, 1, 0, 1, 0, 0], np.float32)
+    batch = _batch(seed=6).replace(group_id=jnp.arange(B) // 2)
+    batch = trainer.advantages(state, trainer.score(state, ref, batch))
+    batch = batch.replace(imitation_weight=jnp.asarray(marked))
+
+    def loss_and_grads(coef, b):
+        c = dataclasses.replace(cfg, imitation_coef=coef)
+        grads, metrics = accumulated_gradients(c, policy_graph, None, (policy, None), 0.1, b)
+        return metrics, jax.tree.leaves(grads[0])
+
+    (m0, g0), (m2, g2) = loss_and_grads(0.0, batch), loss_and_grads(2.0, batch)
+    # Scoring used these parameters, so old_logp is the current log-likelihood.
+    logp = np.asarray(batch.old_logp, np.float64)
+    mask = np.asarray(batch.response_mask, np.float64)
+    nll = -sum(logp[b, t] for b in range(B) for t in range(T) if mask[b, t] and marked[b])
+    np.testing.assert_allclose(m2["imitation_loss"], nll / mask.sum(), rtol=1e-5)
+    np.testing.assert_allclose(m2["loss"] - m0["loss"], 2.0 * nll / mask.sum(), rtol=1e-4)
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(g2, g0)) > 0
+    (m_none, g_none) = loss_and_grads(2.0, batch.replace(imitation_weight=jnp.zeros(B)))
+    np.testing.assert_allclose(m_none["loss"], m0["loss"], rtol=1e-6)
+    for a, b in zip(g_none, g0):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_imitation_alone_raises_the_likelihood_of_the_marked_rows():
+    """Equal rewards in every group: the clipped surrogate has zero advantage, so only the
+    imitation term moves the policy, towards the marked completions and not the others."""
+    cfg = PPOConfig(
+        estimator="grpo", num_groups=4, kl_placement="none", learning_rate=3e-3,
+        epochs=2, imitation_coef=1.0,
+    )  # fmt: skip
+    policy_graph, policy, _, _, ref = _models()
+    trainer = PPOTrainer(cfg, policy_graph)
+    state = init_train_state(cfg, policy, None, jax.random.key(0))
+    marked = np.array([1, 0, 1, 0, 1, 0, 1, 0], np.float32)
+    batch = _batch(seed=7).replace(
+        group_id=jnp.arange(B) // 2, rewards=jnp.zeros((B, T)),
+        imitation_weight=jnp.asarray(marked),
+    )  # fmt: skip
+    before = trainer.advantages(state, trainer.score(state, ref, batch))
+    np.testing.assert_array_equal(np.asarray(before.advantages), 0.0)
+    state, _ = trainer.update(state, before)
+    after = trainer.score(state, ref, batch)
+    mask = np.asarray(batch.response_mask)
+    gain = ((np.asarray(after.old_logp) - np.asarray(before.old_logp)) * mask).sum(1) / mask.sum(1)
+    assert (gain[marked > 0] > 0).all(), gain
+
+
+def test_imitation_coef_must_not_be_negative():
+    with pytest.raises(ValueError, match="ppo.imitation_coef"):
+        PPOConfig(imitation_coef=-0.1)
 
 
 def test_adaptive_kl_controller_moves_the_coefficient():

@@ -322,27 +322,34 @@ def test_group_filtering_fills_the_update_with_varying_groups(tmp_path, monkeypa
         r = planted[len(calls) % 3].astype(np.float32)
         calls.append(len(tasks))
         ones = np.ones(len(tasks), np.float32)
-        return r, ones, np.zeros(len(tasks), np.float32), ones
+        success = (r % 2 == 1).astype(np.float32)  # the odd rewards count as correct
+        return r, ones, success, ones
 
     updated = []
     real_update = PPOTrainer.update
 
     def spy_update(self, state, batch):
-        updated.append((np.asarray(batch.rewards).sum(axis=1).round(), np.asarray(batch.group_id)))
+        updated.append((
+            np.asarray(batch.rewards).sum(axis=1).round(), np.asarray(batch.group_id),
+            np.asarray(batch.imitation_weight),
+        ))  # fmt: skip
         return real_update(self, state, batch)
 
     monkeypatch.setattr(post_train.PostTrainRun, "_rewards", fake_rewards)
     monkeypatch.setattr(PPOTrainer, "update", spy_update)
     config = _demo_config(
         **{"rollout.filter_groups": True, "rollout.filter_max_rounds": 3, "ppo_steps": 2,
-           "rewards.format": 0.0}
+           "rewards.format": 0.0, "ppo.imitation_coef": 0.5}
     )  # fmt: skip
     train.train_and_evaluate(config, str(tmp_path))
     assert calls == [8] * 6  # three rounds in each of the two steps
-    for rewards, group_ids in updated:
+    for rewards, group_ids, imitated in updated:
         assert rewards.tolist() == [11, 12, 13, 14, 21, 22, 23, 24]
         assert group_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+        # The self-imitation term trains on the verified-correct rows of the update.
+        assert imitated.tolist() == [1, 0, 1, 0, 1, 0, 1, 0]
     ppo = [r for r in _read_jsonl(tmp_path / "metrics.jsonl") if r.get("stage") == "ppo"]
+    assert all(r["ppo/imitation_loss"] > 0 for r in ppo)
     assert [r["ppo/rollout_rounds"] for r in ppo] == [3, 3]
     assert [r["ppo/varying_groups_frac"] for r in ppo] == [0.5, 0.5]  # 3 of 6 generated
     assert [r["ppo/update_varying_groups_frac"] for r in ppo] == [1.0, 1.0]
