@@ -208,7 +208,13 @@ def _over_levels(domain: Domain, split: str, n: int, top: int, seed: int) -> lis
 
 def _distinct(domain: Domain, split: str, count: int, level: int, seed: int) -> list[Task]:
     """``count`` tasks of ``split`` at ``level`` with distinct prompts, in the order of
-    ``domain.task_stream``; where fewer exist, every one found repeats equally often."""
+    ``domain.task_stream``; where fewer exist, every one found repeats equally often.
+
+    Repeats sit next to each other (a a b b c c, not a b c a b c): the periodic
+    evaluation takes evenly spaced items (``_spread``), and a stride sharing a factor
+    with a cyclic period would see only some prompts (every second item of six
+    prompts cycled: three of them).
+    """
     distinct: dict[str, Task] = {}
     stream = domain.task_stream(split, level, seed)
     for task in itertools.islice(stream, count * _CANDIDATES_PER_ITEM):
@@ -216,7 +222,10 @@ def _distinct(domain: Domain, split: str, count: int, level: int, seed: int) -> 
         if len(distinct) == count:
             break
     unique = list(distinct.values())
-    return [unique[i % len(unique)] for i in range(count)] if unique else []
+    if not unique:
+        return []
+    repeats = [count // len(unique) + (j < count % len(unique)) for j in range(len(unique))]
+    return [task for task, r in zip(unique, repeats) for _ in range(r)]
 
 
 def _by_level(tasks: Sequence[Task], results: Sequence[VerifyResult]) -> dict[str, Any]:

@@ -160,6 +160,17 @@ def test_eval_items_are_distinct_and_a_small_level_repeats_its_prompts_evenly():
     assert sorted(collections.Counter(level1).values()) == [2, 2, 3]
 
 
+def test_the_periodic_subset_sees_every_prompt_of_a_small_level():
+    # Nine level-1 items over three prompts; the periodic evaluation's evenly spaced
+    # subset of 6 of the 18 items takes level-1 items 0, 3 and 7.
+    sets = ev.make_eval_sets({"s": _SmallSpaceDomain()}, {"s": 2}, heldout_items=18,
+                             ood_items=0, seed=0)  # fmt: skip
+    every = {t.prompt for t in sets["heldout"]["s"] if t.difficulty == 1}
+    subset = ev._spread(sets["heldout"]["s"], 6)
+    assert len(every) == 3
+    assert {t.prompt for t in subset if t.difficulty == 1} == every
+
+
 def test_pass_at_1_by_level_counts_valid_items_per_level():
     tasks = [
         Task(id=str(i), domain="d", prompt=p, difficulty=lvl)
