@@ -218,7 +218,7 @@ def test_imitation_term_adds_the_nll_of_the_marked_rows():
 
 def test_imitation_alone_raises_the_likelihood_of_the_marked_rows():
     """Equal rewards in every group: the clipped surrogate has zero advantage, so only the
-    imitation term moves the policy, towards the marked completions and not the others."""
+    imitation term moves the policy: every marked completion becomes likelier."""
     cfg = PPOConfig(
         estimator="grpo", num_groups=4, kl_placement="none", learning_rate=3e-3,
         epochs=2, imitation_coef=1.0,
