@@ -24,7 +24,6 @@ output. ``--adapter`` picks one of several LoRA adapters trained over the same b
 
 from __future__ import annotations
 
-import collections
 import itertools
 import json
 import math
@@ -35,10 +34,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 
-from rlpt.sampling import Sampler, SamplingParams
+from rlpt import policy as policy_lib
+from rlpt.sampling import DEFAULT_BUCKETS, Sampler, SamplingParams
 from rlpt.tasks import Domain, Task, VerifyResult
+from rlpt.tasks.verifier import Verifier
 from rlpt.tokenizers import Tokenizer, decode_response
 
 # "train" (off unless asked for) scores training-partition items the same way: its gap to
@@ -69,59 +71,6 @@ def mean_and_stderr(values: Sequence[float]) -> tuple[float, float]:
     if x.size == 1:
         return float(x[0]), 0.0
     return float(x.mean()), float(x.std(ddof=1) / math.sqrt(x.size))
-
-
-class Verifier:
-    """Scores completions with their domains' verifiers, one batch call per domain.
-
-    Sandbox domains get ``pool``; their results are cached by (domain, prompt,
-    completion), since greedy decoding and repeated prompts resubmit the same
-    program, and a program's verdict on fixed tests does not change.
-    """
-
-    def __init__(self, domains: Mapping[str, Domain], pool: Any = None, cache_size: int = 200_000):
-        self.domains = dict(domains)
-        self.pool = pool
-        self.cache_size = cache_size
-        self._cache: collections.OrderedDict = collections.OrderedDict()
-        self.sandbox_calls = 0
-
-    def verify(
-        self, domain_names: Sequence[str], tasks: Sequence[Task], completions: Sequence[str]
-    ):
-        """``VerifyResult`` per (task, completion); ``domain_names[i]`` picks the verifier."""
-        results: list[VerifyResult | None] = [None] * len(tasks)
-        by_domain: dict[str, list[int]] = collections.defaultdict(list)
-        for i, name in enumerate(domain_names):
-            by_domain[name].append(i)
-        for name, rows in by_domain.items():
-            domain = self.domains[name]
-            if not domain.needs_sandbox:
-                out = domain.verify_batch([tasks[i] for i in rows], [completions[i] for i in rows])
-                for i, r in zip(rows, out):
-                    results[i] = r
-                continue
-            todo: dict[tuple, list[int]] = {}
-            for i in rows:
-                key = (name, tasks[i].prompt, completions[i])
-                if key in self._cache:
-                    results[i] = self._cache[key]
-                else:
-                    todo.setdefault(key, []).append(i)
-            if todo:
-                first = [idx[0] for idx in todo.values()]
-                out = domain.verify_batch(
-                    [tasks[i] for i in first], [completions[i] for i in first], pool=self.pool
-                )
-                self.sandbox_calls += len(first)
-                for (key, idx), r in zip(todo.items(), out):
-                    for i in idx:
-                        results[i] = r
-                    if r.valid:  # a sandbox failure may not recur: never cache it
-                        self._cache[key] = r
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-        return results
 
 
 def complete(
@@ -422,10 +371,7 @@ def evaluate_hf(
     train_items: int = 0,
 ) -> dict[str, Any]:
     """Evaluates a Hugging Face directory or an rlpt interop checkpoint (with ``adapter``)."""
-    import ml_collections
-
     from rlpt.interop.checkpoint import load_for_sampling
-    from rlpt.trainers import post_train
 
     config = ml_collections.ConfigDict({
         "seed": seed, "domains": tuple(domains),
@@ -435,17 +381,104 @@ def evaluate_hf(
         "eval": {"heldout_items": heldout_items, "ood_items": ood_items, "train_items": train_items,
                  "n_samples": n_samples, "k": k, "batch_size": batch_size, "seed": seed},
     })  # fmt: skip
-    domain_objs = post_train.make_domains(config)
+    domain_objs = policy_lib.make_domains(config)
     mcfg, graph, state, tokenizer = load_for_sampling(path, adapter=adapter)
-    results = post_train.evaluate_policy(config, domain_objs, mcfg, tokenizer, graph, state)
+    results = evaluate_policy(config, domain_objs, mcfg, tokenizer, graph, state)
     return {"hf": path, "adapter": adapter, "k": k, "results": results,
             **flatten_results(results, k)}  # fmt: skip
 
 
+def make_eval_data(config, domains):
+    return make_eval_sets(
+        domains, policy_lib.train_levels(config, domains), heldout_items=config.eval.heldout_items,
+        ood_items=config.eval.ood_items, seed=config.eval.seed,
+        train_items=int(config.eval.get("train_items", 0) or 0),
+    )  # fmt: skip
+
+
+# What `evaluate_checkpoint(eval_overrides=...)` may change: the item draw and how each
+# item is scored, never which domains or levels (those are the run's own).
+EVAL_OVERRIDES = (
+    "seed",
+    "heldout_items",
+    "ood_items",
+    "train_items",
+    "n_samples",
+    "k",
+    "batch_size",
+)
+
+
+def evaluate_checkpoint(
+    workdir: str, *, adapter: str | None = None, eval_overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Evaluates the policy in ``workdir``'s latest checkpoint with the run's own eval config.
+
+    ``adapter``: a LoRA adapter name (``workdir/adapters/NAME``) or an adapter directory,
+    evaluated over the run's frozen base (over its trained policy if the run trained
+    full weights) in place of the checkpoint's own adapter.
+    ``eval_overrides``: ``config.eval`` fields (of ``EVAL_OVERRIDES``) to change, e.g.
+    ``{"seed": 7}`` for a second draw of held-out items.
+    """
+    overrides = dict(eval_overrides or {})
+    unknown = sorted(set(overrides) - set(EVAL_OVERRIDES))
+    if unknown:
+        raise ValueError(f"eval_overrides: unknown field(s) {unknown}; allowed: {EVAL_OVERRIDES}")
+    run = policy_lib.restore_policy(workdir)
+    config, mcfg = run.config, run.model_cfg
+    if overrides:
+        config = ml_collections.ConfigDict(config.to_dict())
+        config.eval.update(overrides)  # the Evaluator checks n_samples and k
+    graph, params = run.graph, run.params
+    if adapter is not None:
+        from rlpt.interop.checkpoint import load_adapter
+
+        _, graph, adapter_state = load_adapter(workdir, adapter, mcfg)
+        base = run.base if run.base is not None else run.trained
+        params = policy_lib.full_policy(adapter_state, base)
+    results = evaluate_policy(config, policy_lib.make_domains(config), mcfg, run.tokenizer, graph,
+                              params, run.step)  # fmt: skip
+    return {"step": run.step, "stage": run.stage, "adapter": adapter, "k": config.eval.k,
+            "results": results, **flatten_results(results, config.eval.k)}  # fmt: skip
+
+
+def evaluate_policy(
+    config: ml_collections.ConfigDict,
+    domains: Mapping[str, Domain],
+    model_cfg,
+    tokenizer: Tokenizer,
+    graph,
+    state,
+    step: int = 0,
+) -> dict[str, Any]:
+    """Held-out and OOD results of the policy ``(graph, state)`` under ``config.eval``."""
+    pool = None
+    if any(d.needs_sandbox for d in domains.values()):
+        from rlpt.sandbox import SandboxPool
+
+        pool = SandboxPool(workers=config.sandbox.workers, timeout_s=config.sandbox.timeout_s,
+                           memory_mb=config.sandbox.memory_mb)  # fmt: skip
+    try:
+        buckets = tuple(config.rollout.get("buckets", DEFAULT_BUCKETS))
+        sampler = Sampler(
+            graph, model_cfg, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, buckets=buckets
+        )
+        evaluator = Evaluator(sampler, tokenizer, Verifier(domains, pool),
+                              max_new_tokens=config.rollout.max_new_tokens,
+                              chunk_size=config.eval.batch_size)  # fmt: skip
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.seed), 3), step)
+        results, _ = evaluator.evaluate(
+            state, make_eval_data(config, domains), key, n_samples=config.eval.n_samples,
+            k=config.eval.k,
+        )  # fmt: skip
+    finally:
+        if pool is not None:
+            pool.close()
+    return results
+
+
 def main(argv: Sequence[str]) -> None:
     from absl import flags, logging
-
-    from rlpt.trainers import post_train
 
     if len(argv) > 1:
         raise ValueError(f"unexpected arguments: {argv[1:]}")
@@ -459,11 +492,9 @@ def main(argv: Sequence[str]) -> None:
         if hf_only:
             raise ValueError(f"{', '.join(hf_only)}: only with --hf (a run keeps its own)")
         # Only the flags given on the command line replace the run's own eval config.
-        overrides = {n: flags.FLAGS[n].value for n in post_train.EVAL_OVERRIDES
+        overrides = {n: flags.FLAGS[n].value for n in EVAL_OVERRIDES
                      if flags.FLAGS[n].present}  # fmt: skip
-        result = post_train.evaluate_checkpoint(
-            workdir, adapter=_ADAPTER.value, eval_overrides=overrides
-        )
+        result = evaluate_checkpoint(workdir, adapter=_ADAPTER.value, eval_overrides=overrides)
         tag = f"step_{result['step']}" + (f"_{_ADAPTER.value}" if _ADAPTER.value else "")
         tag += "".join(f"_{n}{v}" for n, v in sorted(overrides.items()))
         path = os.path.join(workdir, f"eval_{tag.replace(os.sep, '_')}.json")

@@ -60,6 +60,7 @@ from rlpt.tasks.rewards import (
     parse_number,
 )
 from rlpt.tasks.stepwise_math import StepwiseMathDomain
+from rlpt.tasks.verifier import Verifier
 
 
 def _humaneval(**kwargs: Any) -> Domain:
@@ -107,6 +108,7 @@ __all__ = [
     "StepwiseMathDomain",
     "Task",
     "TaskEnv",
+    "Verifier",
     "VerifyResult",
     "answer_format_ok",
     "answers_match",

@@ -1,4 +1,4 @@
-"""The ``rm`` and ``prm`` stages of a post-training run, and learned rewards inside PPO.
+"""The ``rm`` and ``prm`` stages of a post-training run.
 
 ``rm``: a reward model (``RewardModel``: the policy's trunk with a sequence-score
 head, started from the warm-started policy) trained with the Bradley-Terry loss
@@ -14,94 +14,46 @@ the fraction that reach the verified answer. Planted wrong steps are added so
 that wrong steps are well represented. Trained with binary cross-entropy at the
 step separators; held-out step ROC-AUC on planted errors is logged.
 
-During PPO, ``LearnedRewards.apply`` scores each rollout batch with whichever
-models were trained and replaces the batch's per-token rewards with
-``rlpt.rewards.composite.assemble_rewards``: the verifier and rule terms on the
-last token, the reward-model score there too, and process rewards at every
-step's last token (aggregated by ``rewards.process_aggregation``), the learned
-terms under running normalisation and clipping. A ``RewardMonitor`` tracks, per
-domain, how often the learned verdict agrees with the verifier; that agreement
-is the curriculum's per-domain confidence and its collapse flags reward hacking.
-
-With ``reward_model.refresh_every`` > 0 the reward model follows the policy: every
-rollout's verifier and sandbox verdicts join a buffer of the newest
-``refresh_buffer`` traces, and every ``refresh_every`` PPO steps
-``refresh_steps`` Bradley-Terry steps train it on pairs of one prompt's right and
-wrong completions from that buffer (``rlpt.rewards.RewardModelRefresher``). Its
-optimiser state and the buffer are checkpointed, so a resumed run refreshes as an
-uninterrupted one would.
+Each stage gets a ``StageContext`` (step counter, keys, metrics sink) and the
+``RewardStageInputs`` it reads; the trained models go to ``LearnedRewards``
+(``rlpt.rewards.learned``), which PPO's reward role applies.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
 from rlpt.models import ProcessRewardModel, RewardModel, create_model
-from rlpt.rewards.composite import NormState, RewardConfig, assemble_rewards, init_norm_state
 from rlpt.rewards.data import correctness_pairs, planted_error_solutions
+from rlpt.rewards.learned import LearnedRewards, reward_model_trainer
 from rlpt.rewards.losses import pairwise_accuracy, roc_auc
-from rlpt.rewards.monitor import MonitorConfig, RewardMonitor, _DomainStats
-from rlpt.rewards.preferences import (
-    Trace,
-    encode_pairs,
-    encode_sequence,
-    load_preferences,
-    traces_from_results,
-)
+from rlpt.rewards.preferences import encode_pairs, encode_sequence, load_preferences
 from rlpt.rewards.process import encode_step_examples, math_shepherd_labels
-from rlpt.rewards.scoring import (
-    RewardModelRefresher,
-    rollout_process_scores,
-    rollout_rm_scores,
-)
-from rlpt.rewards.train import (
-    TrainConfig,
-    prm_trainer,
-    rm_trainer,
-    sequence_scores,
-    step_logits,
-    with_trunk,
-)
-from rlpt.sampling import SamplingParams
-from rlpt.tokenizers import decode_response
-
-if TYPE_CHECKING:
-    from rlpt.trainers.post_train import PostTrainRun
-
-RM_KEY, PRM_KEY, NORM_KEY = "reward_model", "process_reward_model", "reward_norm"
-RM_STATE_KEY = "reward_model_state"  # parameters and optimiser state, when refreshing
+from rlpt.rewards.train import TrainConfig, prm_trainer, sequence_scores, step_logits, with_trunk
+from rlpt.sampling import Sampler, SamplingParams
+from rlpt.tasks import Domain
+from rlpt.tokenizers import Tokenizer, decode_response
+from rlpt.trainers.context import StageContext
 
 
-def _batches(n: int, batch_size: int, steps: int, rng: np.random.Generator):
-    for _ in range(steps):
-        yield rng.integers(0, n, size=batch_size)
+@dataclasses.dataclass(frozen=True)
+class RewardStageInputs:
+    """What the ``rm`` and ``prm`` stages read from the run."""
 
-
-def _chunked(fn, params, arrays: Mapping[str, np.ndarray], chunk: int = 256) -> np.ndarray:
-    n = len(next(iter(arrays.values())))
-    out = [
-        np.asarray(fn(params, *(v[i : i + chunk] for v in arrays.values())))
-        for i in range(0, n, chunk)
-    ]
-    return np.concatenate(out)
-
-
-def _answer_domains(run: PostTrainRun, names) -> list[str]:
-    picked = [n for n in names if n in run.domains]
-    if not picked and not run.config.reward_model.get("pairs_jsonl"):
-        raise ValueError(
-            f"reward_model.domains {tuple(names)} names none of the run's domains "
-            f"{tuple(run.domains)} and reward_model.pairs_jsonl is empty: no pairs to train on"
-        )
-    return picked
+    config: Any  # the run config (reward_model, process_reward, seed, sft.log_every, rollout)
+    policy_params: Any  # the current (warm-started) policy's full state
+    model_cfg: Any
+    tokenizer: Tokenizer
+    domains: Mapping[str, Domain]
+    levels: Mapping[str, int]
+    sampler: Sampler
+    learned: LearnedRewards
 
 
 def check_config(config) -> None:
@@ -150,22 +102,48 @@ def check_config(config) -> None:
     for stage in ("rm", "prm"):
         if stage in stages and ("ppo" in stages and stages.index(stage) > stages.index("ppo")):
             raise ValueError(f"stage {stage!r} must come before 'ppo' in config.stages {stages}")
+    from rlpt.rewards.composite import RewardConfig
+
     RewardConfig(
         process_aggregation=r.get("process_aggregation", "min"), clip=r.get("learned_clip", 5.0)
     )
 
 
+def _batches(n: int, batch_size: int, steps: int, rng: np.random.Generator):
+    for _ in range(steps):
+        yield rng.integers(0, n, size=batch_size)
+
+
+def _chunked(fn, params, arrays: Mapping[str, np.ndarray], chunk: int = 256) -> np.ndarray:
+    n = len(next(iter(arrays.values())))
+    out = [
+        np.asarray(fn(params, *(v[i : i + chunk] for v in arrays.values())))
+        for i in range(0, n, chunk)
+    ]
+    return np.concatenate(out)
+
+
+def _answer_domains(run: RewardStageInputs, names) -> list[str]:
+    picked = [n for n in names if n in run.domains]
+    if not picked and not run.config.reward_model.get("pairs_jsonl"):
+        raise ValueError(
+            f"reward_model.domains {tuple(names)} names none of the run's domains "
+            f"{tuple(run.domains)} and reward_model.pairs_jsonl is empty: no pairs to train on"
+        )
+    return picked
+
+
 # -- stages ----------------------------------------------------------------------------------
 
 
-def rm_stage(run: PostTrainRun) -> None:
+def rm_stage(ctx: StageContext, run: RewardStageInputs) -> None:
     """Trains the reward model from the current policy; sets ``run.learned.rm_params``."""
     c = run.config.reward_model
     seed = run.config.seed
-    policy = run._policy_params()
+    policy = run.policy_params
     graph, params = create_model(
         lambda rngs: RewardModel(run.model_cfg, likelihood=c.get("likelihood", False), rngs=rngs),
-        jax.random.fold_in(run.keys["init"], 11),
+        jax.random.fold_in(ctx.keys["init"], 11),
     )
     params = with_trunk(params, policy)
     max_len = run.model_cfg.max_seq_len
@@ -189,7 +167,7 @@ def rm_stage(run: PostTrainRun) -> None:
             f"reward model: only {len(arrays)} usable pairs (skipped {skipped}); need at least "
             f"reward_model.batch_size={c.batch_size}"
         )
-    trainer = _rm_trainer(c, graph)
+    trainer = reward_model_trainer(c, graph)
     rng = np.random.default_rng(seed + 303)
     batches = (
         {
@@ -200,38 +178,31 @@ def rm_stage(run: PostTrainRun) -> None:
         for pick in _batches(len(arrays), c.batch_size, c.steps, rng)
     )  # fmt: skip
     state, metrics = _train(
-        run, "rm", trainer, trainer.init(params), batches, c.steps,
+        ctx, run.config.sft.log_every, "rm", trainer, trainer.init(params), batches, c.steps,
         lambda p: _rm_heldout(graph, p, heldout, run.tokenizer, max_len),
     )  # fmt: skip
     run.learned.set_rm(graph, state.params)
     if run.learned.refreshing:
         run.learned.start_refresh(trainer, state, max_len)
-    run.meta.setdefault("reward_models", {})["rm"] = {
+    ctx.meta.setdefault("reward_models", {})["rm"] = {
         k.split("/", 1)[1]: float(v) for k, v in metrics.items() if "heldout" in k
     }
 
 
-def _rm_trainer(c, graph):
-    """The reward model's trainer: the ``rm`` stage's, continued by refreshes in PPO."""
-    return rm_trainer(
-        TrainConfig(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps), graph,
-        margin=c.margin,
-    )  # fmt: skip
-
-
-def _train(run: PostTrainRun, stage: str, trainer, state, batches, steps: int, final):
+def _train(ctx: StageContext, log_every: int, stage: str, trainer, state, batches, steps: int,
+           final):  # fmt: skip
     """``steps`` optimiser steps, one global step each; a metrics line every
-    ``sft.log_every`` steps and on the last, which adds ``final(params)``."""
+    ``log_every`` steps and on the last, which adds ``final(params)``."""
     metrics: dict[str, Any] = {}
     for i, batch in enumerate(batches):
         state, m = trainer.step(state, batch)
-        run.advance_step()
+        ctx.advance()
         last = i == steps - 1
-        if last or (i + 1) % run.config.sft.log_every == 0:
+        if last or (i + 1) % log_every == 0:
             metrics = {f"{stage}/{k}": v for k, v in jax.device_get(m).items()}
             if last:
                 metrics.update(final(state.params))
-            run.write_stage_metrics(metrics, stage)
+            ctx.write(metrics, stage)
     return state, metrics
 
 
@@ -246,7 +217,7 @@ def _rm_heldout(graph, params, heldout, tokenizer, max_len) -> dict[str, float]:
     return out
 
 
-def prm_stage(run: PostTrainRun) -> None:
+def prm_stage(ctx: StageContext, run: RewardStageInputs) -> None:
     """Labels the policy's solutions the Math-Shepherd way and trains the PRM on them."""
     c = run.config.process_reward
     seed = run.config.seed
@@ -254,8 +225,8 @@ def prm_stage(run: PostTrainRun) -> None:
     tok = run.tokenizer
     max_len = run.model_cfg.max_seq_len
     max_new = run.config.rollout.max_new_tokens
-    policy = run._policy_params()
-    key = jax.random.fold_in(run.keys["init"], 12)
+    policy = run.policy_params
+    key = jax.random.fold_in(ctx.keys["init"], 12)
     level = run.levels[c.domain]
     tasks = [
         t for lv in range(1, level + 1)
@@ -298,7 +269,7 @@ def prm_stage(run: PostTrainRun) -> None:
             answer_token_id=tok.answer_id,
             rngs=rngs,
         ),
-        jax.random.fold_in(run.keys["init"], 13),
+        jax.random.fold_in(ctx.keys["init"], 13),
     )
     params = with_trunk(params, policy)
     trainer = prm_trainer(TrainConfig(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps),
@@ -310,7 +281,7 @@ def prm_stage(run: PostTrainRun) -> None:
         for pick in _batches(n, c.batch_size, c.steps, rng)
     )
     state, metrics = _train(
-        run, "prm", trainer, trainer.init(params), batches, c.steps,
+        ctx, run.config.sft.log_every, "prm", trainer, trainer.init(params), batches, c.steps,
         lambda p: {
             "prm/label_samples": labels.samples, "prm/train_solutions": n,
             "prm/heldout_step_roc_auc": _prm_heldout_auc(
@@ -319,7 +290,7 @@ def prm_stage(run: PostTrainRun) -> None:
         },
     )  # fmt: skip
     run.learned.set_prm(graph, state.params)
-    run.meta.setdefault("reward_models", {})["prm"] = {
+    ctx.meta.setdefault("reward_models", {})["prm"] = {
         "heldout_step_roc_auc": float(metrics["prm/heldout_step_roc_auc"])
     }
 
@@ -340,189 +311,3 @@ def _prm_heldout_auc(graph, params, dom, tok, n_tasks, level, seed, max_len) -> 
     )
     on = ev["label_mask"] > 0
     return roc_auc(probs[on], ev["labels"][on])
-
-
-# -- inside PPO ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class LearnedRewards:
-    """The learned reward models of a run and their use on PPO batches."""
-
-    reward_config: RewardConfig
-    monitor: RewardMonitor
-    step_id: int
-    answer_id: int
-    rm_graph: Any = None
-    rm_params: Any = None
-    prm_graph: Any = None
-    prm_params: Any = None
-    norm: NormState = dataclasses.field(default_factory=init_norm_state)
-    rm_likelihood: bool = False  # the reward model adds the policy's log-likelihood
-    rm_config: Any = None  # the config's reward_model section (refresh settings)
-    tokenizer: Any = None
-    rm_state: Any = None  # ModelTrainState while refreshing
-    refresher: RewardModelRefresher | None = None
-    prm_likelihood: bool = False  # the process reward model adds each step's log-likelihood
-
-    @classmethod
-    def from_config(cls, config, tokenizer) -> LearnedRewards:
-        r = config.rewards
-        cfg = RewardConfig(
-            outcome=1.0, reward_model=r.get("reward_model", 0.0), process=r.get("process", 0.0),
-            process_aggregation=r.get("process_aggregation", "min"),
-            clip=r.get("learned_clip", 5.0),
-        )  # fmt: skip
-        rm = config.get("reward_model") or {}
-        prm = config.get("process_reward") or {}
-        return cls(
-            cfg, RewardMonitor(MonitorConfig()), tokenizer.step_id, tokenizer.answer_id,
-            rm_likelihood=bool(rm.get("likelihood", False)),
-            prm_likelihood=bool(prm.get("likelihood", False)),
-            rm_config=rm or None, tokenizer=tokenizer,
-        )  # fmt: skip
-
-    @property
-    def refreshing(self) -> bool:
-        """Whether the reward model is retrained on the newest traces during PPO."""
-        return bool(self.rm_config and int(self.rm_config.get("refresh_every", 0)))
-
-    def start_refresh(self, trainer, state, max_len: int) -> None:
-        """Keep the reward model's trainer and state (parameters and optimiser) to refresh."""
-        c = self.rm_config
-        self.rm_state = state
-        self.refresher = RewardModelRefresher(
-            trainer, self.tokenizer, max_len=max_len,
-            every=int(c.refresh_every), steps=int(c.refresh_steps),
-            batch_size=int(c.refresh_batch_size), buffer_size=int(c.refresh_buffer),
-        )  # fmt: skip
-
-    def observe(self, step: int, tasks, texts, results, key) -> dict[str, float]:
-        """Add a rollout's verdicts to the trace buffer; refresh the reward model when due."""
-        if self.refresher is None:
-            return {}
-        self.refresher.add(traces_from_results(tasks, texts, results))
-        self.rm_state, metrics = self.refresher.maybe_refresh(step, self.rm_state, key)
-        self.rm_params = self.rm_state.params
-        metrics["rm/refresh_buffer"] = float(len(self.refresher.traces))
-        return metrics
-
-    def trace_state(self) -> list[dict[str, str]]:
-        """The refresh buffer as JSON-ready records (for the checkpoint's metadata)."""
-        if self.refresher is None:
-            return []
-        return [dataclasses.asdict(t) for t in self.refresher.traces]
-
-    def set_trace_state(self, records) -> None:
-        if self.refresher is not None:
-            self.refresher.traces = [Trace(**r) for r in records]
-
-    @property
-    def active(self) -> bool:
-        """Whether PPO's rewards include a learned term."""
-        return (self.rm_params is not None and self.reward_config.reward_model != 0) or (
-            self.prm_params is not None and self.reward_config.process != 0
-        )
-
-    def set_rm(self, graph, params) -> None:
-        self.rm_graph, self.rm_params = graph, params
-
-    def set_prm(self, graph, params) -> None:
-        self.prm_graph, self.prm_params = graph, params
-
-    # Checkpointed arrays and their restore templates.
-    def items(self) -> dict[str, Any]:
-        out: dict[str, Any] = {NORM_KEY: self.norm}
-        if self.rm_state is not None:
-            out[RM_STATE_KEY] = self.rm_state
-        elif self.rm_params is not None:
-            out[RM_KEY] = self.rm_params
-        if self.prm_params is not None:
-            out[PRM_KEY] = self.prm_params
-        return out
-
-    def templates(self, names, model_cfg, step_id: int) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if NORM_KEY in names:
-            out[NORM_KEY] = init_norm_state()
-        if RM_KEY in names or RM_STATE_KEY in names:
-            self.rm_graph, params = create_model(
-                lambda rngs: RewardModel(model_cfg, likelihood=self.rm_likelihood, rngs=rngs),
-                jax.random.key(0),
-            )
-            if RM_KEY in names:
-                out[RM_KEY] = params
-            else:
-                trainer = _rm_trainer(self.rm_config, self.rm_graph)
-                out[RM_STATE_KEY] = jax.eval_shape(trainer.init, params)
-                self.start_refresh(trainer, None, model_cfg.max_seq_len)
-        if PRM_KEY in names:
-            self.prm_graph, params = create_model(
-                lambda rngs: ProcessRewardModel(
-                    model_cfg,
-                    step_id,
-                    likelihood=self.prm_likelihood,
-                    answer_token_id=self.answer_id,
-                    rngs=rngs,
-                ),
-                jax.random.key(0),
-            )
-            out[PRM_KEY] = params
-        return out
-
-    def set_items(self, items: Mapping[str, Any]) -> None:
-        self.norm = items.get(NORM_KEY, self.norm)
-        self.rm_params = items.get(RM_KEY, self.rm_params)
-        if RM_STATE_KEY in items:
-            self.rm_state = items[RM_STATE_KEY]
-            self.rm_params = self.rm_state.params
-        self.prm_params = items.get(PRM_KEY, self.prm_params)
-
-    def monitor_state(self) -> dict[str, Any]:
-        return {name: dataclasses.asdict(s) for name, s in self.monitor.stats.items()}
-
-    def set_monitor_state(self, state: Mapping[str, Any]) -> None:
-        self.monitor.stats = {name: _DomainStats(**s) for name, s in state.items()}
-
-    def apply(self, batch, domain_names, success, valid):
-        """The batch with learned terms in its rewards, ``reward/*`` and ``monitor/*``
-        metrics, and the per-domain confidence for the curriculum."""
-        rm_scores = process = steps = None
-        if self.rm_params is not None and self.reward_config.reward_model:
-            rm_scores = _rm_scores(self.rm_graph, self.rm_params, batch)
-        if self.prm_params is not None and self.reward_config.process:
-            process, steps = _process_scores(
-                self.prm_graph, self.prm_params, batch, self.step_id, self.answer_id
-            )
-        outcome = jnp.sum(batch.rewards, axis=1)  # [B] verifier and rule terms, already weighted
-        total, self.norm, metrics = _assemble(
-            self.reward_config, self.norm, batch.response_mask, outcome, rm_scores, process, steps
-        )
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        # The monitor compares the learned verdict with the verifier's: the RM score, or
-        # the weakest step's PRM probability (centred so 0.5 is the threshold).
-        if rm_scores is not None:
-            learned = np.asarray(rm_scores)
-        else:
-            p = np.where(np.asarray(steps) > 0, np.asarray(process), np.inf).min(axis=1)
-            learned = np.where(np.isfinite(p), p, 0.0) - 0.5
-        metrics.update(self.monitor.update(domain_names, learned, success, valid > 0))
-        return batch.replace(rewards=total), metrics, dict(self.monitor.confidence())
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _rm_scores(graph, params, batch):
-    return rollout_rm_scores(graph, params, batch)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def _process_scores(graph, params, batch, step_id, answer_id):
-    return rollout_process_scores(graph, params, batch, step_id=step_id, answer_id=answer_id)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _assemble(cfg, norm, response_mask, outcome, rm_scores, process, steps):
-    return assemble_rewards(
-        cfg, norm, response_mask, outcome=outcome, reward_model=rm_scores, process=process,
-        step_mask=steps,
-    )  # fmt: skip

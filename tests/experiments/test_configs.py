@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from rlpt import policy as policy_lib
 from rlpt import train, trainers
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,18 +96,16 @@ def test_hf_post_train_starts_from_the_checkpoint_weights_and_tokenizer(tmp_path
     import numpy as np
     import safetensors.numpy
 
-    from rlpt.trainers import post_train
-
     config = _load(os.path.join(REPO_ROOT, "experiments", "hf_post_train.py")).get_config()
     with pytest.raises(ValueError, match="model.hf_path"):
-        post_train.model_config(config)
+        policy_lib.model_config(config)
     config.model.hf_path = _tiny_hf_checkpoint(tmp_path / "hf")
-    model_cfg = post_train.model_config(config)
+    model_cfg = policy_lib.model_config(config)
     assert (model_cfg.vocab_size, model_cfg.d_model, model_cfg.n_layers) == (264, 32, 2)
-    _, params = post_train.initial_policy(config, model_cfg, key=None)
+    _, params = policy_lib.initial_policy(config, model_cfg, key=None)
     weights = safetensors.numpy.load_file(str(tmp_path / "hf" / "model.safetensors"))
     np.testing.assert_array_equal(np.asarray(params["lm_head"][...]), weights["lm_head.weight"].T)
-    tokenizer = post_train.make_tokenizer(config, model_cfg)
+    tokenizer = policy_lib.make_tokenizer(config, model_cfg)
     text = "12+7=19<step>19*2=38<answer>38"
     ids = tokenizer.encode(text)
     assert tokenizer.step_id in ids and tokenizer.answer_id in ids

@@ -14,9 +14,9 @@ import pytest
 
 from rlpt import train
 from rlpt.rewards.composite import RewardConfig
+from rlpt.rewards.learned import LearnedRewards
 from rlpt.rewards.monitor import RewardMonitor
 from rlpt.rl import new_rollout_batch
-from rlpt.trainers.learned_rewards import LearnedRewards
 from tests.trainers.test_post_train import _demo_config, _deterministic, _read_jsonl
 
 LEARNED = {
@@ -100,7 +100,7 @@ def test_interrupted_learned_reward_run_resumes_identically(learned_run, tmp_pat
 
 def test_reward_model_term_sits_on_the_last_token_only(monkeypatch):
     """apply() adds w * clip(normalised score) on each row's last token and keeps the rest."""
-    import rlpt.trainers.learned_rewards as lr
+    import rlpt.rewards.learned as lr
 
     scores = np.asarray([2.0, -1.0, 0.5], np.float32)
     monkeypatch.setattr(lr, "_rm_scores", lambda graph, params, batch: jnp.asarray(scores))
@@ -132,8 +132,8 @@ def test_refresh_trains_on_rollout_verdicts_and_checkpoints_its_state():
     import ml_collections
 
     from rlpt.models import RewardModel, create_model, get_preset
+    from rlpt.rewards.learned import RM_STATE_KEY, reward_model_trainer
     from rlpt.tokenizers import ByteTokenizer
-    from rlpt.trainers.learned_rewards import RM_STATE_KEY, _rm_trainer
 
     cfg = get_preset("tiny").replace(max_seq_len=32)
     tok = ByteTokenizer()
@@ -147,7 +147,7 @@ def test_refresh_trains_on_rollout_verdicts_and_checkpoints_its_state():
     )  # fmt: skip
     assert learned.refreshing
     graph, params = create_model(lambda r: RewardModel(cfg, rngs=r), jax.random.key(0))
-    trainer = _rm_trainer(rm_cfg, graph)
+    trainer = reward_model_trainer(rm_cfg, graph)
     learned.set_rm(graph, params)
     learned.start_refresh(trainer, trainer.init(params), cfg.max_seq_len)
     before = jax.tree.map(np.asarray, learned.rm_params)

@@ -5,6 +5,7 @@ resume test: a run stopped after a few steps and rerun must log exactly the same
 metrics outside ``time/``. The config includes the sandboxed ``program_synthesis``.
 """
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -14,9 +15,11 @@ import sys
 import numpy as np
 import pytest
 
+from rlpt import eval as eval_lib
+from rlpt import policy as policy_lib
 from rlpt import train
 from rlpt.rl import PPOTrainer
-from rlpt.trainers import post_train
+from rlpt.roles import RewardRole
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -220,7 +223,7 @@ def test_eval_cli_evaluates_the_latest_checkpoint(reference_run):
     assert "pass@1" in proc.stderr  # the table
     # Repeated prompts are counted: items are drawn from the held-out partition.
     config = _demo_config()
-    sets = post_train.make_eval_data(config, post_train.make_domains(config))
+    sets = eval_lib.make_eval_data(config, policy_lib.make_domains(config))
     for name, tasks in sets["heldout"].items():
         got = result["results"]["heldout"][name]
         assert got["items"] == len(tasks)
@@ -253,14 +256,14 @@ def test_eval_overrides_redraw_items_without_touching_the_run(reference_run, mon
     with open(os.path.join(workdir, "run_config.json")) as f:
         run_config = f.read()
     draws = []
-    real = post_train.make_eval_sets
+    real = eval_lib.make_eval_sets
 
     def spy(*args, **kwargs):
         draws.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(post_train, "make_eval_sets", spy)
-    out = post_train.evaluate_checkpoint(
+    monkeypatch.setattr(eval_lib, "make_eval_sets", spy)
+    out = eval_lib.evaluate_checkpoint(
         workdir, eval_overrides={"seed": 7, "heldout_items": 6, "ood_items": 0, "train_items": 4}
     )
     assert (draws[-1]["seed"], draws[-1]["heldout_items"], draws[-1]["ood_items"]) == (7, 6, 0)
@@ -278,26 +281,16 @@ def test_eval_overrides_redraw_items_without_touching_the_run(reference_run, mon
             assert held["pass@1"] == pytest.approx(
                 sum(v["pass@1"] * v["items"] for v in levels) / held["items"]
             )
-    post_train.evaluate_checkpoint(workdir)
+    eval_lib.evaluate_checkpoint(workdir)
     assert draws[-1]["seed"] != 7  # the run's own config is untouched
     with open(os.path.join(workdir, "run_config.json")) as f:
         assert f.read() == run_config
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['domains'\]"):
-        post_train.evaluate_checkpoint(workdir, eval_overrides={"domains": ("arithmetic",)})
+        eval_lib.evaluate_checkpoint(workdir, eval_overrides={"domains": ("arithmetic",)})
     with pytest.raises(ValueError, match=r"eval.n_samples \(1\) must be >= eval.k \(2\)"):
-        post_train.evaluate_checkpoint(workdir, eval_overrides={"n_samples": 1, "k": 2})
+        eval_lib.evaluate_checkpoint(workdir, eval_overrides={"n_samples": 1, "k": 2})
     with pytest.raises(ValueError, match="eval.k must be >= 2 when eval.n_samples > 0"):
-        post_train.evaluate_checkpoint(workdir, eval_overrides={"n_samples": 2, "k": 1})
-
-
-def test_group_varies_by_hand():
-    # Groups of 3: mixed; all equal; equal once the invalid sample is ignored;
-    # one valid sample only; partial rewards that differ.
-    rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0.5, 0.25, 0.5], np.float32)
-    valid = np.array([1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1], np.float32)
-    assert post_train.group_varies(rewards, valid, 3).tolist() == [
-        True, False, False, False, True
-    ]  # fmt: skip
+        eval_lib.evaluate_checkpoint(workdir, eval_overrides={"n_samples": 2, "k": 1})
 
 
 def test_group_filtering_needs_a_group_estimator(tmp_path):
@@ -318,12 +311,17 @@ def test_group_filtering_fills_the_update_with_varying_groups(tmp_path, monkeypa
     ]
     calls = []
 
-    def fake_rewards(self, tasks, texts, results):
+    real_judge = RewardRole.judge
+
+    def fake_judge(self, traj):
+        traj = real_judge(self, traj)
         r = planted[len(calls) % 3].astype(np.float32)
-        calls.append(len(tasks))
-        ones = np.ones(len(tasks), np.float32)
+        calls.append(len(traj))
+        ones = np.ones(len(traj), np.float32)
         success = (r % 2 == 1).astype(np.float32)  # the odd rewards count as correct
-        return r, ones, success, ones
+        verdicts = dataclasses.replace(traj.verdicts, rewards=r, weight=ones, success=success,
+                                       valid=ones)  # fmt: skip
+        return dataclasses.replace(traj, verdicts=verdicts)
 
     updated = []
     real_update = PPOTrainer.update
@@ -335,7 +333,7 @@ def test_group_filtering_fills_the_update_with_varying_groups(tmp_path, monkeypa
         ))  # fmt: skip
         return real_update(self, state, batch)
 
-    monkeypatch.setattr(post_train.PostTrainRun, "_rewards", fake_rewards)
+    monkeypatch.setattr(RewardRole, "judge", fake_judge)
     monkeypatch.setattr(PPOTrainer, "update", spy_update)
     config = _demo_config(
         **{"rollout.filter_groups": True, "rollout.filter_max_rounds": 3, "ppo_steps": 2,

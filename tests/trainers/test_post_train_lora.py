@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from rlpt import eval as eval_lib
+from rlpt import policy as policy_lib
 from rlpt.trainers import post_train
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,9 +58,9 @@ def test_only_adapters_train_and_the_reference_holds_no_second_base(lora_run):
     trained = _leaves(run._trained_params())
     assert trained and all("lora_" in path for path in trained)
     # The reference is the SFT adapters: adapter-sized, never a copy of the base.
-    assert set(_leaves(run.ref_params)) == set(trained)
-    fresh_graph, fresh_adapters, fresh_base = post_train.build_policy(
-        config, run.model_cfg, post_train.policy_init_key(config)
+    assert set(_leaves(run.learner.ref_params)) == set(trained)
+    fresh_graph, fresh_adapters, fresh_base = policy_lib.build_policy(
+        config, run.model_cfg, policy_lib.policy_init_key(config)
     )
     base_now, base_init = _leaves(run.base_params), _leaves(fresh_base)
     assert base_now.keys() == base_init.keys()
@@ -73,16 +75,16 @@ def test_adapter_is_saved_and_chosen_by_name_at_evaluation(lora_run):
     _, workdir, _, summary = lora_run
     adapter_dir = os.path.join(workdir, "adapters", "arith")
     assert os.path.exists(os.path.join(adapter_dir, "adapter_config.json"))
-    own = post_train.evaluate_checkpoint(workdir)
-    by_name = post_train.evaluate_checkpoint(workdir, adapter="arith")
-    by_path = post_train.evaluate_checkpoint(workdir, adapter=adapter_dir)
+    own = eval_lib.evaluate_checkpoint(workdir)
+    by_name = eval_lib.evaluate_checkpoint(workdir, adapter="arith")
+    by_path = eval_lib.evaluate_checkpoint(workdir, adapter=adapter_dir)
     assert by_name["adapter"] == "arith"
     for result in (by_name, by_path):
         assert result["results"] == own["results"]
     # The run's own final evaluation used the same policy and eval draw.
     assert own["results"]["heldout"]["arithmetic"]["items"] == 4
     with pytest.raises(FileNotFoundError, match="no adapter 'code'.*arith"):
-        post_train.evaluate_checkpoint(workdir, adapter="code")
+        eval_lib.evaluate_checkpoint(workdir, adapter="code")
 
 
 def test_bad_lora_settings_are_refused_before_anything_runs(tmp_path):

@@ -66,30 +66,3 @@ def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
         state, metrics = train(state, (tokens, mask))
     assert float(eval_loss(state.params, tokens, mask)) < before - 1.0
     assert int(state.step) == 20
-
-
-def test_sandbox_failures_and_non_finite_rewards_get_zero_weight_and_are_counted():
-    import math
-    import types
-
-    from rlpt.tasks import CompositeReward, Task, VerifyResult
-    from rlpt.trainers.post_train import PostTrainRun
-
-    run = types.SimpleNamespace(
-        reward_fn=CompositeReward({"correct": 1.0}),
-        extra_reward=lambda task, text, res: math.nan if text == "nan" else 0.0,
-        meta={"counters": {"sandbox_failures": 0, "nonfinite_rewards": 0}},
-    )
-    task = Task(id="t", domain="d", prompt="p", difficulty=1)
-    results = [
-        VerifyResult(1.0, "correct"),
-        VerifyResult(0.0, "sandbox_error", valid=False),
-        VerifyResult(1.0, "correct"),
-    ]
-    rewards, weight, success, valid = PostTrainRun._rewards(
-        run, [task] * 3, ["ok", "ok", "nan"], results
-    )
-    assert rewards.tolist() == [1.0, 0.0, 0.0]
-    assert weight.tolist() == valid.tolist() == [1.0, 0.0, 0.0]
-    assert success.tolist() == [1.0, 0.0, 0.0]
-    assert run.meta["counters"] == {"sandbox_failures": 1, "nonfinite_rewards": 1}

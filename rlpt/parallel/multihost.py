@@ -1,0 +1,69 @@
+"""Moving host data on and off a mesh that may span several JAX processes.
+
+A post-training run keeps its host-side logic (prompt order, curriculum, group
+filtering, packing plans) identical in every process: each process computes the same
+host values from the same seed. Device work is sharded over the global mesh:
+``to_device`` places a host value every process holds in full onto its sharding
+(each process supplies its own devices' shards), and ``to_host`` brings a global
+array back to every process. Work that must not be repeated (running model-written
+code in the sandbox) is split by ``process_rows`` and its results exchanged with
+``allgather_json``. With one process all of these are the plain single-process
+operations.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def to_device(tree, shardings):
+    """``tree`` (host values equal in every process) placed on ``shardings`` (a matching
+    tree, or one sharding for every leaf); ``None`` leaves stay ``None``."""
+    if shardings is None:
+        return tree
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.device_put(x, shardings), tree)
+    return jax.device_put(tree, shardings)
+
+
+def to_host(tree):
+    """Every leaf of ``tree`` as a numpy array in every process.
+
+    A leaf held in part by other processes is gathered (a collective: every process
+    must call this at the same point); other leaves are plain ``device_get``.
+    """
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(one, tree)
+
+
+def process_rows(n: int) -> np.ndarray:
+    """The rows of an ``n``-row host batch this process works on alone (contiguous)."""
+    count, index = jax.process_count(), jax.process_index()
+    bounds = np.linspace(0, n, count + 1).round().astype(int)
+    return np.arange(bounds[index], bounds[index + 1])
+
+
+def allgather_json(values: Sequence[Any]) -> list[Any]:
+    """Every process's ``values`` (JSON-able), concatenated in process order."""
+    if jax.process_count() == 1:
+        return list(values)
+    payload = np.frombuffer(json.dumps(list(values)).encode("utf-8"), np.uint8)
+    sizes = multihost_utils.process_allgather(np.asarray([payload.size], np.int64))
+    padded = np.zeros(int(np.max(sizes)), np.uint8)
+    padded[: payload.size] = payload
+    gathered = multihost_utils.process_allgather(padded)  # [processes, longest]
+    out: list[Any] = []
+    for row, size in zip(np.asarray(gathered), np.asarray(sizes).reshape(-1)):
+        out += json.loads(bytes(row[: int(size)]).decode("utf-8"))
+    return out

@@ -1,0 +1,231 @@
+"""Learned rewards inside PPO: reward-model and process-reward scores of a rollout batch,
+assembled with the verifier's reward into one per-token reward tensor.
+
+``LearnedRewards.apply`` scores each rollout batch with whichever models were trained
+and replaces the batch's per-token rewards with
+``rlpt.rewards.composite.assemble_rewards``: the verifier and rule terms on the last
+token, the reward-model score there too, and process rewards at every step's last
+token (aggregated by ``rewards.process_aggregation``), the learned terms under running
+normalisation and clipping. A ``RewardMonitor`` tracks, per domain, how often the
+learned verdict agrees with the verifier; that agreement is the curriculum's
+per-domain confidence and its collapse flags reward hacking.
+
+With ``reward_model.refresh_every`` > 0 the reward model follows the policy: every
+rollout's verdicts join a buffer of the newest ``refresh_buffer`` traces, and every
+``refresh_every`` PPO steps ``refresh_steps`` Bradley-Terry steps train it on pairs of
+one prompt's right and wrong completions (``RewardModelRefresher``). Its optimiser
+state and the buffer are checkpointed, so a resumed run refreshes as an uninterrupted
+one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlpt.models import ProcessRewardModel, RewardModel, create_model
+from rlpt.rewards.composite import NormState, RewardConfig, assemble_rewards, init_norm_state
+from rlpt.rewards.monitor import MonitorConfig, RewardMonitor, _DomainStats
+from rlpt.rewards.preferences import Trace, traces_from_results
+from rlpt.rewards.scoring import RewardModelRefresher, rollout_process_scores, rollout_rm_scores
+from rlpt.rewards.train import TrainConfig, rm_trainer
+
+RM_KEY, PRM_KEY, NORM_KEY = "reward_model", "process_reward_model", "reward_norm"
+RM_STATE_KEY = "reward_model_state"  # parameters and optimiser state, when refreshing
+
+
+def reward_model_trainer(c, graph):
+    """The reward model's trainer: the ``rm`` stage's, continued by refreshes in PPO."""
+    return rm_trainer(
+        TrainConfig(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps), graph,
+        margin=c.margin,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass
+class LearnedRewards:
+    """The learned reward models of a run and their use on PPO batches."""
+
+    reward_config: RewardConfig
+    monitor: RewardMonitor
+    step_id: int
+    answer_id: int
+    rm_graph: Any = None
+    rm_params: Any = None
+    prm_graph: Any = None
+    prm_params: Any = None
+    norm: NormState = dataclasses.field(default_factory=init_norm_state)
+    rm_likelihood: bool = False  # the reward model adds the policy's log-likelihood
+    rm_config: Any = None  # the config's reward_model section (refresh settings)
+    tokenizer: Any = None
+    rm_state: Any = None  # ModelTrainState while refreshing
+    refresher: RewardModelRefresher | None = None
+    prm_likelihood: bool = False  # the process reward model adds each step's log-likelihood
+
+    @classmethod
+    def from_config(cls, config, tokenizer) -> LearnedRewards:
+        r = config.rewards
+        cfg = RewardConfig(
+            outcome=1.0, reward_model=r.get("reward_model", 0.0), process=r.get("process", 0.0),
+            process_aggregation=r.get("process_aggregation", "min"),
+            clip=r.get("learned_clip", 5.0),
+        )  # fmt: skip
+        rm = config.get("reward_model") or {}
+        prm = config.get("process_reward") or {}
+        return cls(
+            cfg, RewardMonitor(MonitorConfig()), tokenizer.step_id, tokenizer.answer_id,
+            rm_likelihood=bool(rm.get("likelihood", False)),
+            prm_likelihood=bool(prm.get("likelihood", False)),
+            rm_config=rm or None, tokenizer=tokenizer,
+        )  # fmt: skip
+
+    @property
+    def refreshing(self) -> bool:
+        """Whether the reward model is retrained on the newest traces during PPO."""
+        return bool(self.rm_config and int(self.rm_config.get("refresh_every", 0)))
+
+    def start_refresh(self, trainer, state, max_len: int) -> None:
+        """Keep the reward model's trainer and state (parameters and optimiser) to refresh."""
+        c = self.rm_config
+        self.rm_state = state
+        self.refresher = RewardModelRefresher(
+            trainer, self.tokenizer, max_len=max_len,
+            every=int(c.refresh_every), steps=int(c.refresh_steps),
+            batch_size=int(c.refresh_batch_size), buffer_size=int(c.refresh_buffer),
+        )  # fmt: skip
+
+    def observe(self, step: int, tasks, texts, results, key) -> dict[str, float]:
+        """Add a rollout's verdicts to the trace buffer; refresh the reward model when due."""
+        if self.refresher is None:
+            return {}
+        self.refresher.add(traces_from_results(tasks, texts, results))
+        self.rm_state, metrics = self.refresher.maybe_refresh(step, self.rm_state, key)
+        self.rm_params = self.rm_state.params
+        metrics["rm/refresh_buffer"] = float(len(self.refresher.traces))
+        return metrics
+
+    def trace_state(self) -> list[dict[str, str]]:
+        """The refresh buffer as JSON-ready records (for the checkpoint's metadata)."""
+        if self.refresher is None:
+            return []
+        return [dataclasses.asdict(t) for t in self.refresher.traces]
+
+    def set_trace_state(self, records) -> None:
+        if self.refresher is not None:
+            self.refresher.traces = [Trace(**r) for r in records]
+
+    @property
+    def active(self) -> bool:
+        """Whether PPO's rewards include a learned term."""
+        return (self.rm_params is not None and self.reward_config.reward_model != 0) or (
+            self.prm_params is not None and self.reward_config.process != 0
+        )
+
+    def set_rm(self, graph, params) -> None:
+        self.rm_graph, self.rm_params = graph, params
+
+    def set_prm(self, graph, params) -> None:
+        self.prm_graph, self.prm_params = graph, params
+
+    # Checkpointed arrays and their restore templates.
+    def items(self) -> dict[str, Any]:
+        out: dict[str, Any] = {NORM_KEY: self.norm}
+        if self.rm_state is not None:
+            out[RM_STATE_KEY] = self.rm_state
+        elif self.rm_params is not None:
+            out[RM_KEY] = self.rm_params
+        if self.prm_params is not None:
+            out[PRM_KEY] = self.prm_params
+        return out
+
+    def templates(self, names, model_cfg, step_id: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if NORM_KEY in names:
+            out[NORM_KEY] = init_norm_state()
+        if RM_KEY in names or RM_STATE_KEY in names:
+            self.rm_graph, params = create_model(
+                lambda rngs: RewardModel(model_cfg, likelihood=self.rm_likelihood, rngs=rngs),
+                jax.random.key(0),
+            )
+            if RM_KEY in names:
+                out[RM_KEY] = params
+            else:
+                trainer = reward_model_trainer(self.rm_config, self.rm_graph)
+                out[RM_STATE_KEY] = jax.eval_shape(trainer.init, params)
+                self.start_refresh(trainer, None, model_cfg.max_seq_len)
+        if PRM_KEY in names:
+            self.prm_graph, params = create_model(
+                lambda rngs: ProcessRewardModel(
+                    model_cfg,
+                    step_id,
+                    likelihood=self.prm_likelihood,
+                    answer_token_id=self.answer_id,
+                    rngs=rngs,
+                ),
+                jax.random.key(0),
+            )
+            out[PRM_KEY] = params
+        return out
+
+    def set_items(self, items: Mapping[str, Any]) -> None:
+        self.norm = items.get(NORM_KEY, self.norm)
+        self.rm_params = items.get(RM_KEY, self.rm_params)
+        if RM_STATE_KEY in items:
+            self.rm_state = items[RM_STATE_KEY]
+            self.rm_params = self.rm_state.params
+        self.prm_params = items.get(PRM_KEY, self.prm_params)
+
+    def monitor_state(self) -> dict[str, Any]:
+        return {name: dataclasses.asdict(s) for name, s in self.monitor.stats.items()}
+
+    def set_monitor_state(self, state: Mapping[str, Any]) -> None:
+        self.monitor.stats = {name: _DomainStats(**s) for name, s in state.items()}
+
+    def apply(self, batch, domain_names, success, valid):
+        """The batch with learned terms in its rewards, ``reward/*`` and ``monitor/*``
+        metrics, and the per-domain confidence for the curriculum."""
+        rm_scores = process = steps = None
+        if self.rm_params is not None and self.reward_config.reward_model:
+            rm_scores = _rm_scores(self.rm_graph, self.rm_params, batch)
+        if self.prm_params is not None and self.reward_config.process:
+            process, steps = _process_scores(
+                self.prm_graph, self.prm_params, batch, self.step_id, self.answer_id
+            )
+        outcome = jnp.sum(batch.rewards, axis=1)  # [B] verifier and rule terms, already weighted
+        total, self.norm, metrics = _assemble(
+            self.reward_config, self.norm, batch.response_mask, outcome, rm_scores, process, steps
+        )
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        # The monitor compares the learned verdict with the verifier's: the RM score, or
+        # the weakest step's PRM probability (centred so 0.5 is the threshold).
+        if rm_scores is not None:
+            learned = np.asarray(rm_scores)
+        else:
+            p = np.where(np.asarray(steps) > 0, np.asarray(process), np.inf).min(axis=1)
+            learned = np.where(np.isfinite(p), p, 0.0) - 0.5
+        metrics.update(self.monitor.update(domain_names, learned, success, valid > 0))
+        return batch.replace(rewards=total), metrics, dict(self.monitor.confidence())
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _rm_scores(graph, params, batch):
+    return rollout_rm_scores(graph, params, batch)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _process_scores(graph, params, batch, step_id, answer_id):
+    return rollout_process_scores(graph, params, batch, step_id=step_id, answer_id=answer_id)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _assemble(cfg, norm, response_mask, outcome, rm_scores, process, steps):
+    return assemble_rewards(
+        cfg, norm, response_mask, outcome=outcome, reward_model=rm_scores, process=process,
+        step_mask=steps,
+    )  # fmt: skip

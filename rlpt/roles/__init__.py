@@ -1,0 +1,25 @@
+"""The roles a post-training run is assembled from, each behind a narrow interface.
+
+- rollout (``RolloutWorker``): prompts -> ``Trajectories`` (sampled ids, behaviour
+  log-probs, masks, policy version);
+- reward (``RewardRole``): trajectories -> verdicts and one per-token reward tensor;
+- learner (``PPOLearner``): batches -> a new train state.
+
+Evaluation is ``rlpt.eval.Evaluator``; checkpointing is ``rlpt.checkpoint``. The
+trainer (``rlpt.trainers.post_train``) wires them together; none of them imports it.
+"""
+
+from rlpt.roles.learner import PPOLearner
+from rlpt.roles.reward import COUNTERS, RewardRole, group_varies, make_rule_reward
+from rlpt.roles.rollout import RolloutWorker, Trajectories, Verdicts
+
+__all__ = [
+    "COUNTERS",
+    "PPOLearner",
+    "RewardRole",
+    "RolloutWorker",
+    "Trajectories",
+    "Verdicts",
+    "group_varies",
+    "make_rule_reward",
+]

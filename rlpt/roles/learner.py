@@ -1,0 +1,139 @@
+"""The learner role: trajectories with rewards in, a new train state out.
+
+``PPOLearner`` owns the PPO train state (policy, optional critic, optimiser, KL
+controller), the frozen reference, and the jitted, sharded steps of
+``rlpt.rl.PPOTrainer``. ``make_batch`` lays trajectories out as the learner's
+``RolloutBatch`` (token in, token out: the sampled ids are used as they are);
+``step`` scores, computes advantages and updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlpt.models import ValueModel, create_model
+from rlpt.policy import full_policy
+from rlpt.rl import PPOConfig, PPOTrainer, RolloutBatch, init_train_state, new_rollout_batch
+from rlpt.roles.rollout import Trajectories
+
+
+class PPOLearner:
+    """PPO on a policy graph (and a critic when the estimator needs one), on a mesh."""
+
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        policy_graph,
+        model_cfg,
+        *,
+        value_key: jax.Array,
+        base_params=None,
+        lora=None,
+        mesh=None,
+    ):
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.value_key = value_key
+        self.base_params = base_params  # the frozen base under LoRA, else None
+        self.lora = lora
+        self.value_graph = None
+        if cfg.uses_critic:
+            self.value_graph, _ = create_model(
+                lambda rngs: ValueModel(model_cfg, rngs=rngs), value_key
+            )
+        self.trainer = PPOTrainer(cfg, policy_graph, self.value_graph, frozen=base_params,
+                                  mesh=mesh)  # fmt: skip
+        self.state: Any = None  # rl.TrainState
+        self.ref_params: Any = None
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def start(self, params, key_data: jax.Array) -> None:
+        """A fresh train state from the (warm-started) policy ``params``, which the
+        reference keeps a copy of: the policy's buffers are donated to each update."""
+        self.ref_params = jax.tree.map(jnp.copy, params)
+        value = self.value_init(params) if self.cfg.uses_critic else None
+        self.state = init_train_state(self.cfg, params, value, key_data)
+
+    def value_init(self, policy_params):
+        """The critic's trunk starts as the policy's trunk; its head starts at zero output."""
+        _, value = create_model(lambda rngs: ValueModel(self.model_cfg, rngs=rngs), self.value_key)
+        if self.lora is not None:
+            from rlpt.models.lora import merge_lora
+
+            # The critic trains in full: it starts from the adapted policy, adapters folded in.
+            policy_params = merge_lora(self.lora, policy_params, self.base_params)
+        value["trunk"] = jax.tree.map(jnp.copy, policy_params["trunk"])
+        return value
+
+    def state_template(self, init_params, key_data: jax.Array):
+        """The abstract train state a checkpoint restores into."""
+        value = None
+        if self.cfg.uses_critic:
+            value = jax.eval_shape(lambda: self.value_init(init_params))
+        return jax.eval_shape(lambda: init_train_state(self.cfg, init_params, value, key_data))
+
+    def trained_params(self):
+        """What trains: the adapters under LoRA, else the full policy."""
+        return self.state.policy
+
+    def policy_params(self):
+        """The policy's full state (adapters merged with the base under LoRA)."""
+        return full_policy(self.state.policy, self.base_params)
+
+    # -- batches and steps ---------------------------------------------------------------------
+
+    def make_batch(
+        self,
+        traj: Trajectories,
+        group_id: np.ndarray,
+        *,
+        pad_prompts: Callable[[Sequence[Sequence[int]], int], tuple[np.ndarray, np.ndarray]],
+        prompt_buckets: Sequence[int],
+        pad_id: int,
+        step_id: int,
+        max_new_tokens: int,
+    ) -> tuple[RolloutBatch, dict[str, int]]:
+        """The learner's batch for ``traj`` (verdicts required) and its layout: the
+        sampled prompt length, the response width and, packed, the real tokens scored."""
+        v = traj.verdicts
+        prompt_tokens, prompt_mask = pad_prompts(traj.prompt_ids, max_new_tokens)
+        layout = {"prompt_len": int(prompt_tokens.shape[1]), "scored_tokens": None}
+        if self.cfg.pack_sequences:
+            layout["scored_tokens"] = int(prompt_mask.sum()) + int(traj.lengths.sum())
+            # Packed rows carry real tokens only, so padding is free: one batch shape
+            # (the widest prompt bucket, every response column) compiles once.
+            extra = max(max(prompt_buckets) - prompt_tokens.shape[1], 0)
+            prompt_tokens = np.pad(prompt_tokens, ((0, 0), (extra, 0)), constant_values=pad_id)
+            prompt_mask = np.pad(prompt_mask, ((0, 0), (extra, 0)))
+            width = max_new_tokens
+        else:
+            # Most responses stop well before max_new_tokens, and the update's cost grows
+            # with the padded width: cut to the longest response, rounded up to a multiple
+            # of 8 so at most a few widths compile. Masked positions add nothing to any loss.
+            width = min(max_new_tokens, -(-max(int(traj.lengths.max()), 1) // 8) * 8)
+        layout["width"] = width
+        batch = new_rollout_batch(
+            prompt_tokens, prompt_mask, traj.tokens[:, :width], traj.mask[:, :width],
+            sequence_rewards=v.rewards, loss_weight=traj.loss_weight * v.weight,
+            group_id=group_id, truncated=traj.truncated, step_token_id=step_id,
+            imitation_weight=v.success,
+        )  # fmt: skip
+        return batch, layout
+
+    def score(self, batch: RolloutBatch) -> RolloutBatch:
+        """Old, reference (and value) log-probs of the batch under the current state."""
+        return self.trainer.score(self.state, self.ref_params, batch)
+
+    def advantages(self, batch: RolloutBatch) -> RolloutBatch:
+        return self.trainer.advantages(self.state, batch)
+
+    def update(self, batch: RolloutBatch) -> dict[str, Any]:
+        """One PPO update (epochs x minibatches); the new state replaces the old."""
+        self.state, metrics = self.trainer.update(self.state, batch)
+        return metrics

@@ -1,0 +1,133 @@
+"""The rollout role: prompts in, trajectories out.
+
+A ``Trajectories`` holds, one row per sample, exactly what generation produced: the
+prompt's token ids, the response token ids the sampler drew (never decoded and
+re-encoded on the way to the learner), their behaviour log-probs under the sampling
+distribution, the response mask, and the policy version that generated them. The
+reward role adds its verdicts to the same rows (``Verdicts``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from rlpt.data.loader import PromptBatch
+from rlpt.sampling import Sampler, SamplingParams
+from rlpt.tokenizers import Tokenizer, decode_response
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdicts:
+    """The reward role's judgement of each row, all ``[N]`` arrays (``results`` a list)."""
+
+    results: list  # VerifyResult per row
+    rewards: np.ndarray  # weighted rule and verifier terms, summed per sequence
+    weight: np.ndarray  # 0 where the sample is dropped (sandbox failure, non-finite reward)
+    success: np.ndarray  # 1 where the verifier says the answer is correct
+    valid: np.ndarray  # 0 where the verdict says nothing about the policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectories:
+    """Generated samples, one row each: ``[N]`` arrays, ``[N, T]`` for the response
+    arrays (``T`` = the rollout's ``max_new_tokens``), and per-row lists."""
+
+    prompt_ids: list  # token ids of each prompt (unpadded)
+    tasks: list
+    names: list  # domain name per row
+    texts: list  # decoded responses, for verifiers and logs only
+    tokens: np.ndarray  # [N, T] the sampled ids, exactly
+    logprobs: np.ndarray  # [N, T] behaviour log-probs of those ids
+    mask: np.ndarray  # [N, T]
+    lengths: np.ndarray  # [N]
+    truncated: np.ndarray  # [N]
+    loss_weight: np.ndarray  # [N] the curriculum's per-domain loss weight
+    domain_index: np.ndarray  # [N]
+    difficulty: np.ndarray  # [N]
+    policy_version: np.ndarray  # [N] the learner step whose weights generated the row
+    verdicts: Verdicts | None = None
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def take(self, rows: np.ndarray) -> Trajectories:
+        """The rows ``rows`` (indices into this set), in that order."""
+        return _map_rows(self, lambda v: v[rows] if isinstance(v, np.ndarray) else
+                         [v[i] for i in rows])  # fmt: skip
+
+    @staticmethod
+    def concat(parts: Sequence[Trajectories]) -> Trajectories:
+        def join(values):
+            if isinstance(values[0], np.ndarray):
+                return np.concatenate(values)
+            return [v for vs in values for v in vs]
+
+        fields = {}
+        for f in dataclasses.fields(Trajectories):
+            if f.name == "verdicts":
+                continue
+            fields[f.name] = join([getattr(p, f.name) for p in parts])
+        verdicts = None
+        if all(p.verdicts is not None for p in parts):
+            verdicts = Verdicts(**{
+                f.name: join([getattr(p.verdicts, f.name) for p in parts])
+                for f in dataclasses.fields(Verdicts)
+            })  # fmt: skip
+        return Trajectories(**fields, verdicts=verdicts)
+
+
+def _map_rows(traj: Trajectories, fn) -> Trajectories:
+    fields: dict[str, Any] = {
+        f.name: fn(getattr(traj, f.name)) for f in dataclasses.fields(traj) if f.name != "verdicts"
+    }
+    verdicts = None
+    if traj.verdicts is not None:
+        verdicts = Verdicts(**{
+            f.name: fn(getattr(traj.verdicts, f.name)) for f in dataclasses.fields(Verdicts)
+        })  # fmt: skip
+    return Trajectories(**fields, verdicts=verdicts)
+
+
+class RolloutWorker:
+    """Samples responses to a prompt batch with the current policy weights."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        tokenizer: Tokenizer,
+        *,
+        domain_names: Sequence[str],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+    ):
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.domain_names = tuple(domain_names)
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+
+    def generate(
+        self, params, prompts: PromptBatch, key: jax.Array, *, version: int
+    ) -> Trajectories:
+        """Trajectories for every row of ``prompts`` (its padding is dropped here, once)."""
+        ids = [row[m] for row, m in zip(prompts.tokens, prompts.mask)]
+        out = self.sampler.generate(
+            params, ids, key, max_new_tokens=self.max_new_tokens, sampling=self.sampling
+        )
+        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        texts = [decode_response(self.tokenizer, tokens[i, : lengths[i]]) for i in range(len(ids))]
+        return Trajectories(
+            prompt_ids=ids, tasks=list(prompts.tasks),
+            names=[self.domain_names[d] for d in prompts.domain_index], texts=texts,
+            tokens=tokens, logprobs=np.asarray(out.logprobs), mask=np.asarray(out.mask),
+            lengths=lengths, truncated=np.asarray(out.truncated),
+            loss_weight=np.asarray(prompts.loss_weight),
+            domain_index=np.asarray(prompts.domain_index),
+            difficulty=np.asarray(prompts.difficulty),
+            policy_version=np.full(len(ids), version, np.int32),
+        )  # fmt: skip

@@ -1,0 +1,121 @@
+"""The ``sft`` and ``sft_continued`` stages: supervised steps on demonstrations.
+
+``sft`` runs the fixed warm-start budget (``sft.token_budget`` completion tokens, so
+a step count) and closes with the held-out loss and the full evaluation (``sft``);
+``sft_continued`` keeps going for ``sft.continued_wall_s`` seconds (the control that
+gets RL's wall clock as more supervision) and closes with the ``final`` evaluation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rlpt.policy import full_policy
+from rlpt.trainers import sft as sft_lib
+from rlpt.trainers.context import RunEvaluation, StageContext
+
+
+class SFTStage:
+    """Supervised fine-tuning of the policy; ``state`` is the stage's train state."""
+
+    def __init__(
+        self,
+        sft_config,
+        stream: sft_lib.ExampleStream,
+        *,
+        init_params,
+        base_params,
+        policy_graph,
+        evaluation: RunEvaluation,
+        heldout,
+    ):
+        self.config = sft_config
+        self.stream = stream
+        self.base_params = base_params
+        self.evaluation = evaluation
+        self.heldout = heldout
+        self.init_params = init_params
+        self.steps = sft_lib.steps_for_budget(stream, sft_config.token_budget)
+        c = sft_config
+        self.tx = sft_lib.make_optimizer(c.learning_rate, c.warmup_steps, c.weight_decay)
+        self.train_step, self.eval_loss = sft_lib.make_step_fns(
+            policy_graph, self.tx, frozen=base_params
+        )
+        self.state: Any = None
+
+    def start(self) -> None:
+        self.state = sft_lib.init_sft_state(self.init_params, self.tx)
+
+    def state_template(self):
+        return sft_lib.init_sft_state(self.init_params, self.tx)
+
+    def policy_params(self):
+        return full_policy(self.state.params, self.base_params)
+
+    def heldout_loss(self):
+        return self.eval_loss(self.state.params, *map(jnp.asarray, self.heldout))
+
+    def run(self, ctx: StageContext, *, continued: bool) -> bool:
+        """SFT to the end of the stage; False if ``stop_after_step`` stopped it first."""
+        c = self.config
+        total = None if continued else self.steps
+        # A wall-clock budget counts the time spent before an interruption too.
+        began = time.perf_counter() - ctx.meta.get("stage_elapsed_s", 0.0)
+        window = time.perf_counter()
+        window_steps = window_tokens = 0
+        progress = ctx.progress(total, "sft_continued" if continued else "sft")
+        try:
+            while not ctx.meta.get("stage_done", False):
+                if total is not None and ctx.stage_step >= total:
+                    break
+                tokens, mask, n_tokens = self.stream.next_batch()
+                window_steps += 1
+                window_tokens += n_tokens
+                ctx.profiler.start(ctx.step + 1)
+                self.state, m = self.train_step(self.state, (jnp.asarray(tokens),
+                                                             jnp.asarray(mask)))  # fmt: skip
+                ctx.profiler.stop(ctx.step + 1, m)
+                step = ctx.advance()
+                if continued:
+                    ctx.meta["stage_elapsed_s"] = time.perf_counter() - began
+                    last = ctx.meta["stage_elapsed_s"] >= c.continued_wall_s
+                else:
+                    last = ctx.stage_step >= total
+                metrics: dict[str, Any] = {}
+                if last or ctx.stage_step % c.log_every == 0:
+                    m = jax.device_get(m)
+                    metrics.update({f"sft/{k}": v for k, v in m.items()})
+                    metrics["sft/lr"] = sft_lib.lr_at(
+                        int(self.state.step) - 1, c.learning_rate, c.warmup_steps
+                    )
+                    metrics["sft/examples"] = self.stream.position
+                    # Steps are dispatched asynchronously: only a window's average is meaningful.
+                    now = time.perf_counter()
+                    metrics["time/step_s"] = (now - window) / window_steps
+                    metrics["time/tokens_per_s"] = window_tokens / (now - window)
+                    window, window_steps, window_tokens = now, 0, 0
+                if last:
+                    ctx.meta["stage_done"] = True
+                    metrics["sft/heldout_loss"] = self.heldout_loss()
+                    metrics.update(self.evaluation.full(
+                        self.policy_params(), step, "final" if continued else "sft",
+                        ctx.meta["eval"],
+                    ))  # fmt: skip
+                elif c.get("eval_every", 0) and ctx.stage_step % c.eval_every == 0:
+                    # The held-out learning curve of supervised training, comparable with RL's.
+                    metrics["sft/heldout_loss"] = self.heldout_loss()
+                    metrics.update(self.evaluation.periodic(self.policy_params(), step))
+                if metrics:
+                    ctx.write(metrics, "sft")
+                progress.update({k: metrics[k] for k in ("sft/loss",) if k in metrics})
+                if last or ctx.checkpoint_due(step):
+                    ctx.save()
+                if ctx.should_stop(last):
+                    return False
+            return True
+        finally:
+            progress.close()
