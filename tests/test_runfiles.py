@@ -1,6 +1,5 @@
 """rlpt.runfiles: atomic writes survive a kill, damaged files and bad workdirs get one line."""
 
-import json
 import os
 import pathlib
 import shutil
