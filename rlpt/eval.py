@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from rlpt.runfiles import atomic_write_json
 from rlpt.sampling import Sampler, SamplingParams
 from rlpt.tasks import Domain, Task, VerifyResult
 from rlpt.tokenizers import Tokenizer, decode_response
@@ -479,8 +480,7 @@ def main(argv: Sequence[str]) -> None:
     print(format_table(result["results"], k), file=sys.stderr, flush=True)
     result["time/eval_s"] = time.perf_counter() - start
     if path:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2, sort_keys=True)
+        atomic_write_json(path, result, indent=2, sort_keys=True)
         logging.info("Wrote %s", path)
     print(json.dumps(result), flush=True)
 
