@@ -9,19 +9,28 @@ what a step holds, so ``restore`` asks for exactly those.
 
 Saving is asynchronous (``enable_async_checkpointing``): the arrays are copied off
 the device and written in the background while training goes on; ``wait`` blocks
-until the last save is on disk. Orbax writes into a temporary directory and renames
-it at the end, so a run killed mid-save leaves the previous checkpoint intact and the
-torn one is ignored.
+until the last save is on disk. ``meta`` is serialised when ``save`` is called, so the
+caller may change its dict at once. Orbax writes into a temporary directory and
+renames it at the end, so a run killed mid-save leaves the previous checkpoint intact
+and the torn one is ignored.
+
+A checkpoint can still be damaged after it was committed (a disk that filled up, a
+file truncated by a copy): ``restore_latest`` then falls back to the newest step that
+restores, saying which step it skipped and why.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
+
+from rlpt.runfiles import RunFileError, move_aside
 
 CHECKPOINT_DIR = "checkpoints"
 _META = "meta"
@@ -46,6 +55,8 @@ class Checkpointer:
             create=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # Filled by ``restore_latest``: each step it skipped, with its one-line error.
+        self.skipped_steps: dict[int, str] = {}
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -57,7 +68,12 @@ class Checkpointer:
         """Starts saving ``items`` (pytrees of arrays) and ``meta`` (JSON) as step ``step``."""
         if _META in items:
             raise ValueError(f"item name {_META!r} is reserved for the JSON record")
-        meta = {**meta, "items": sorted(items)}
+        try:
+            # A copy made now: the async save writes it later, while the caller goes on
+            # changing its own dict (a shallow copy would share the nested ones).
+            meta = json.loads(json.dumps({**meta, "items": sorted(items)}))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"checkpoint {step}: meta is not JSON ({e})") from None
         if int(step) in self._manager.all_steps():
             # A step saved again (its record gained a final evaluation) replaces the old one.
             self._manager.wait_until_finished()
@@ -88,6 +104,78 @@ class Checkpointer:
         unless ``only``, which restores just the targeted items (to read a policy).
         """
         meta = self.read_meta(step)
+        return self._restore_items(step, meta, targets, only=only), meta
+
+    def restore_latest(
+        self,
+        targets_fn: Callable[[dict[str, Any]], Mapping[str, Any]],
+        *,
+        only: bool = False,
+        set_aside_damaged: bool = False,
+    ) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+        """Restores the newest step that restores: ``(step, items, meta)``, or None.
+
+        Tries the kept steps newest first. For each, reads its JSON record ``meta`` and
+        calls ``targets_fn(meta)`` for the restore targets (as ``restore``'s ``targets``:
+        templates may depend on ``meta["items"]``, the items that step holds). A step
+        whose record or arrays cannot be read (a truncated or missing file) is skipped
+        with one logged line naming it and its error, and the next older one is tried;
+        ``skipped_steps`` then maps each skipped step to that error.
+        ``set_aside_damaged`` also renames a skipped step's directory to
+        ``STEP.damaged-N`` (orbax ignores it from then on; nothing is deleted), so the
+        run's next saves and retention do not trip over it again.
+
+        Errors of the caller (``targets_fn`` raising, items without a target) are
+        raised at once, not taken for damage.
+
+        Returns:
+          None when the directory holds no checkpoint.
+
+        Raises:
+          RunFileError: checkpoints exist but none restores; the one-line message names
+            the directory and each step's error.
+        """
+        self.skipped_steps = {}
+        for step in sorted(self.all_steps(), reverse=True):
+            try:
+                meta = self.read_meta(step)
+                items = meta["items"]
+                if not isinstance(items, list):
+                    raise ValueError(f"meta['items'] is {items!r}, not a list of item names")
+            except Exception as e:  # noqa: BLE001 - any failure to read is damage
+                self._skip(step, e, set_aside_damaged)
+                continue
+            targets = targets_fn(meta)
+            self._check_targets(step, meta, targets, only=only)
+            try:
+                restored = self._restore_items(step, meta, targets, only=only)
+            except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types
+                self._skip(step, e, set_aside_damaged)
+                continue
+            return step, restored, meta
+        if self.skipped_steps:
+            errors = "; ".join(f"step {s}: {e}" for s, e in self.skipped_steps.items())
+            raise RunFileError(f"{self.directory}: no checkpoint restores ({errors})")
+        return None
+
+    def _skip(self, step: int, error: Exception, set_aside: bool) -> None:
+        lines = str(error).strip().splitlines() or [""]
+        message = f"{type(error).__name__}: {lines[0][:300]}"
+        self.skipped_steps[step] = message
+        where = ""
+        if set_aside and jax.process_index() == 0:
+            where = "; moved aside to " + move_aside(
+                os.path.join(self.directory, str(step)), "damaged"
+            )
+            self._manager.reload()
+        logging.warning(
+            "Checkpoint step %d in %s does not restore, trying an older one (%s)%s",
+            step, self.directory, message, where,
+        )  # fmt: skip
+
+    def _check_targets(
+        self, step: int, meta: Mapping[str, Any], targets: Mapping[str, Any], *, only: bool
+    ) -> None:
         missing = sorted(set(meta["items"]) - set(targets))
         if missing and not only:
             raise ValueError(
@@ -96,10 +184,15 @@ class Checkpointer:
         absent = sorted(set(targets) - set(meta["items"]))
         if absent:
             raise ValueError(f"checkpoint {step} holds no items {absent}")
+
+    def _restore_items(
+        self, step: int, meta: Mapping[str, Any], targets: Mapping[str, Any], *, only: bool
+    ) -> dict[str, Any]:
+        self._check_targets(step, meta, targets, only=only)
         names = [name for name in meta["items"] if name in targets]
         args = {name: ocp.args.StandardRestore(_abstract(targets[name])) for name in names}
         restored = self._manager.restore(step, args=ocp.args.Composite(**args))
-        return {name: restored[name] for name in names}, meta
+        return {name: restored[name] for name in names}
 
     def wait(self) -> None:
         """Blocks until every started save is on disk."""
@@ -127,13 +220,21 @@ def _abstract(tree: Any) -> Any:
 
 
 def latest_checkpoint_meta(workdir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The JSON record of a run's latest checkpoint, or None (reads without a manager lock)."""
+    """The JSON record of a run's newest checkpoint whose record reads, or None.
+
+    Read only: a step whose record is damaged is skipped with a logged line, not moved.
+    """
     directory = os.path.join(os.fspath(workdir), CHECKPOINT_DIR)
     if not os.path.isdir(directory):
         return None
     ckpt = Checkpointer(directory, async_save=False)
     try:
-        return ckpt.read_meta()
+        for step in sorted(ckpt.all_steps(), reverse=True):
+            try:
+                return ckpt.read_meta(step)
+            except Exception as e:  # noqa: BLE001 - any failure to read is damage
+                ckpt._skip(step, e, set_aside=False)
+        return None
     finally:
         ckpt.close()
 

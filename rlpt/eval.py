@@ -38,6 +38,7 @@ import ml_collections
 import numpy as np
 
 from rlpt import policy as policy_lib
+from rlpt.runfiles import atomic_write_json
 from rlpt.sampling import DEFAULT_BUCKETS, Sampler, SamplingParams
 from rlpt.tasks import Domain, Task, VerifyResult
 from rlpt.tasks.verifier import Verifier
@@ -510,8 +511,7 @@ def main(argv: Sequence[str]) -> None:
     print(format_table(result["results"], k), file=sys.stderr, flush=True)
     result["time/eval_s"] = time.perf_counter() - start
     if path:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2, sort_keys=True)
+        atomic_write_json(path, result, indent=2, sort_keys=True)
         logging.info("Wrote %s", path)
     print(json.dumps(result), flush=True)
 

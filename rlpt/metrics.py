@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from rlpt.runfiles import atomic_write_lines, atomic_write_text
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PROFILE_DIR = "profile"
@@ -52,6 +54,37 @@ def to_json_value(value: Any) -> Any:
         item = arr.item()
         return to_json_value(item)
     return to_json_value(arr.tolist())
+
+
+def drop_lines_after(path: str | os.PathLike[str], step: int) -> int:
+    """Applies the resume rule to a JSONL run file: keeps the lines with ``step <= step``.
+
+    Lines that do not parse (a torn last line left by a kill) or carry no integer step
+    are dropped with a warning, and so are lines logged after ``step``. The file is
+    replaced atomically: a kill during the rewrite leaves the old file or the new one.
+    A missing file is left missing.
+
+    Returns:
+      How many lines were dropped.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                line_step = int(json.loads(line).get("step", 0))
+            except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+                logging.warning("Dropping unreadable line in %s: %r", path, line[:200])
+                dropped += 1
+                continue
+            if line_step <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    atomic_write_lines(path, kept)
+    return dropped
 
 
 class MetricWriter:
@@ -157,23 +190,7 @@ class MetricWriter:
             logging.info("Resumed from step %d.", step)
             return
         self._file.close()
-        kept = []
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    logging.warning("Dropping unreadable line in %s: %r", self.path, line[:200])
-                    continue
-                if int(record.get("step", 0)) <= step:
-                    kept.append(json.dumps(record) + "\n")
-        # Replace, never truncate in place: a crash mid-rewrite must not lose the history.
-        tmp_path = self.path + ".tmp"
-        with open(tmp_path, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_path, self.path)
+        drop_lines_after(self.path, step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         if self._tb is not None:
             self._tb.close()
@@ -220,8 +237,7 @@ def _start_wandb(project: str, workdir: str, run_config: Mapping[str, Any] | Non
             run_id = f.read().strip()
     else:
         run_id = wandb.util.generate_id()
-        with open(id_path, "w", encoding="utf-8") as f:
-            f.write(run_id)
+        atomic_write_text(id_path, run_id)
     return wandb.init(
         project=project, dir=workdir, id=run_id, resume="allow",
         config=dict(run_config or {}),

@@ -16,7 +16,9 @@ import os
 import re
 from collections import defaultdict
 
-from absl import app
+from absl import app, logging
+
+from rlpt.runfiles import atomic_file
 
 # (file name, title, pattern of metric keys); a key may appear in several plots.
 PLOTS = (
@@ -31,26 +33,34 @@ PLOTS = (
 
 
 def read_metrics(workdir: str) -> dict[str, list[tuple[int, float]]]:
-    """{key: [(step, value), ...]} of every numeric metric (skips event lines and NaNs)."""
+    """{key: [(step, value), ...]} of every numeric metric (skips event lines and NaNs).
+
+    A torn last line (a run killed mid-write, or one still writing) is skipped with a
+    warning; a damaged line before it is an error naming the file and line.
+    """
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no metrics.jsonl in {workdir!r}")
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
+        lines = f.readlines()
+    for line_number, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if line_number == len(lines) and not raw.endswith("\n"):
+                logging.warning("Skipping the torn last line of %s: %r", path, line[:200])
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_number}: not JSON ({e})") from e
-            step = record.get("step")
-            for key, value in record.items():
-                if key in ("step", "stage", "event") or isinstance(value, bool):
-                    continue
-                if isinstance(value, int | float) and math.isfinite(value):
-                    series[key].append((step, float(value)))
+            raise ValueError(f"{path}:{line_number}: not JSON ({e})") from e
+        step = record.get("step")
+        for key, value in record.items():
+            if key in ("step", "stage", "event") or isinstance(value, bool):
+                continue
+            if isinstance(value, int | float) and math.isfinite(value):
+                series[key].append((step, float(value)))
     return dict(series)
 
 
@@ -78,7 +88,9 @@ def write_plots(workdir: str) -> list[str]:
         ax.legend(fontsize=7, loc="best")
         fig.tight_layout()
         path = os.path.join(out_dir, f"{name}.png")
-        fig.savefig(path, dpi=100)
+        # A plot read while the run goes on must be whole: written aside, then renamed.
+        with atomic_file(path, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
         plt.close(fig)
         written.append(path)
     return written

@@ -20,6 +20,7 @@ from ml_collections import config_flags
 
 from rlpt import trainers
 from rlpt.metrics import to_json_value
+from rlpt.runfiles import atomic_write_text
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to an experiments/NAME.py config file.", lock_config=True
@@ -44,8 +45,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     train_fn = trainers.get_trainer(config.trainer)
     if jax.process_index() == 0:
         os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-            f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+        atomic_write_text(
+            os.path.join(workdir, "config.json"),
+            config.to_json_best_effort(indent=2, sort_keys=True) + "\n",
+        )
     logging.info("Running trainer %r in %s", config.trainer, workdir)
     return train_fn(config, workdir)
 

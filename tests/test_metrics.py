@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +15,7 @@ from rlpt.metrics import (
     MetricWriter,
     Progress,
     StepProfiler,
+    drop_lines_after,
     matmul_peak_flops,
     rl_step_model_flops,
     to_json_value,
@@ -112,6 +114,42 @@ def test_resume_on_an_empty_run(tmp_path):
     with MetricWriter(tmp_path, enabled=True) as writer:
         writer.resume(0)
     assert _read(tmp_path) == [{"step": 0, "event": "resumed", "resumed_from_step": 0}]
+
+
+def test_resume_rewrites_the_file_atomically(tmp_path, monkeypatch):
+    with MetricWriter(tmp_path, enabled=True) as writer:
+        for step in (1, 2, 3):
+            writer.write(step, {"ppo/kl": step})
+    before = (tmp_path / METRICS_FILE).read_text()
+
+    def killed(src, dst):
+        raise KeyboardInterrupt("killed before the rename")
+
+    # A kill between writing the new file and renaming it over the old one.
+    monkeypatch.setattr("rlpt.runfiles.os.replace", killed)
+    writer = MetricWriter(tmp_path, enabled=True, tensorboard=False)
+    with pytest.raises(KeyboardInterrupt):
+        writer.resume(1)
+    writer.close()
+    assert (tmp_path / METRICS_FILE).read_text() == before
+    assert sorted(os.listdir(tmp_path)) == [METRICS_FILE, TENSORBOARD_DIR]
+
+
+def test_drop_lines_after_applies_the_resume_rule_to_samples(tmp_path):
+    path = tmp_path / "samples.jsonl"
+    path.write_text(
+        '{"step": 4, "eval": "periodic", "text": "a"}\n'
+        '{"step": 8, "eval": "periodic", "text": "b"}\n'
+        '["not", "a", "record"]\n'
+        '{"step": 6, "text": "c"}\n'
+        '{"step": 12, "eval": "per'
+    )
+    assert drop_lines_after(path, 6) == 3
+    assert path.read_text() == (
+        '{"step": 4, "eval": "periodic", "text": "a"}\n{"step": 6, "text": "c"}\n'
+    )
+    assert drop_lines_after(tmp_path / "absent.jsonl", 6) == 0
+    assert not (tmp_path / "absent.jsonl").exists()
 
 
 def test_disabled_writer_writes_nothing(tmp_path):

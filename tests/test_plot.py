@@ -42,6 +42,9 @@ def test_cli_and_bad_input(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "sft/loss": 2.0}\nnot json\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2"):
         read_metrics(str(tmp_path))
+    # A run killed mid-line: the torn last line is skipped, the lines before it plotted.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "sft/loss": 2.0}\n{"step": 1, "sft/lo')
+    assert read_metrics(str(tmp_path)) == {"sft/loss": [(0, 2.0)]}
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "sft/loss": 2.0}\n')
     out = subprocess.run(
         [sys.executable, "-m", "rlpt.plot", str(tmp_path)], capture_output=True, text=True,

@@ -14,7 +14,6 @@ or evaluation time (``--adapter=NAME``), or merged in at export.
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
@@ -34,6 +33,7 @@ from rlpt.interop.tokenizer import HFTokenizer
 from rlpt.models import CausalLM, ModelConfig, abstract_model
 from rlpt.models.lora import LoRAConfig, combine_lora, lora_causal_lm, merge_lora, split_lora
 from rlpt.parallel.sharding import DEFAULT_RULES, Rules, state_shardings
+from rlpt.runfiles import atomic_write_json, read_json
 
 CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
@@ -70,8 +70,7 @@ def save_checkpoint(
     checkpointer.wait_until_finished()
     if jax.process_index() == 0:
         meta = {"model": config.to_dict(), "family": family, "hf_config": hf_config}
-        with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-            json.dump(meta, f, indent=2)
+        atomic_write_json(os.path.join(out_dir, CONFIG_FILE), meta, indent=2)
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, os.path.join(out_dir, TOKENIZER_DIR))
 
@@ -81,8 +80,7 @@ def load_checkpoint(
 ) -> HFModel:
     """An rlpt checkpoint back as an ``HFModel``; restored straight onto the mesh's shardings."""
     ckpt_dir = os.path.abspath(ckpt_dir)
-    with open(os.path.join(ckpt_dir, CONFIG_FILE)) as f:
-        meta = json.load(f)
+    meta = read_json(os.path.join(ckpt_dir, CONFIG_FILE))
     config = ModelConfig.from_dict(meta["model"])
     graphdef, abstract = abstract_model(lambda rngs: CausalLM(config, rngs=rngs))
     shardings = _shardings(abstract, mesh, rules)
@@ -154,8 +152,9 @@ def save_adapter(directory: str, name: str, lora: LoRAConfig, lora_state: nnx.St
     }
     if jax.process_index() == 0:
         save_file(tensors, os.path.join(out, ADAPTER_WEIGHTS))
-        with open(os.path.join(out, ADAPTER_CONFIG), "w") as f:
-            json.dump({"name": name, "lora": lora.to_dict()}, f, indent=2)
+        atomic_write_json(
+            os.path.join(out, ADAPTER_CONFIG), {"name": name, "lora": lora.to_dict()}, indent=2
+        )
     return out
 
 
@@ -175,8 +174,7 @@ def load_adapter(
     if not os.path.exists(config_path):
         known = list_adapters(directory)
         raise FileNotFoundError(f"no adapter {name!r} at {path}; adapters here: {known}")
-    with open(config_path) as f:
-        lora = LoRAConfig.from_dict(json.load(f)["lora"])
+    lora = LoRAConfig.from_dict(read_json(config_path)["lora"])
     graphdef, abstract = abstract_model(lora_causal_lm(config, lora))
     abstract_lora, _ = split_lora(abstract)
     shardings = _shardings(abstract_lora, mesh, rules)

@@ -11,7 +11,6 @@ index, tokenizer files), gathering one tensor at a time.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -32,6 +31,7 @@ from rlpt.interop.convert import (
 from rlpt.interop.weights import SafetensorsCheckpoint, plan_shards, write_safetensors
 from rlpt.models import CausalLM, ModelConfig, abstract_model
 from rlpt.parallel.sharding import DEFAULT_RULES, Rules, state_shardings
+from rlpt.runfiles import atomic_write_json, read_json
 
 # Files of a model directory that describe the tokenizer and generation defaults.
 TOKENIZER_FILES = (
@@ -75,8 +75,7 @@ def read_hf_config(path: str) -> dict[str, Any]:
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise ConversionError(f"{config_path}: not found (is {path} a Hugging Face model?)")
-    with open(config_path) as f:
-        return json.load(f)
+    return read_json(config_path)
 
 
 def check_checkpoint(ckpt: SafetensorsCheckpoint, config: ModelConfig) -> dict:
@@ -226,8 +225,9 @@ def save_hf_model(
             pass
         return []
     files = write_safetensors(out_dir, tensors(), shards)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config_from(config, family, hf_config), f, indent=2)
+    atomic_write_json(
+        os.path.join(out_dir, "config.json"), hf_config_from(config, family, hf_config), indent=2
+    )
     if tokenizer_dir is not None:
         copy_tokenizer_files(tokenizer_dir, out_dir)
     return files

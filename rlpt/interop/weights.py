@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from rlpt.interop.convert import ConversionError
+from rlpt.runfiles import atomic_write_json, read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -39,8 +40,7 @@ class SafetensorsCheckpoint:
         index_path = os.path.join(directory, INDEX_FILE)
         single = os.path.join(directory, SINGLE_FILE)
         if os.path.exists(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f).get("weight_map")
+            weight_map = read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ConversionError(f"{index_path}: no 'weight_map'")
             self.index_file = index_path
@@ -152,8 +152,7 @@ def write_safetensors(
     if total > 1:
         index = {"metadata": {"total_size": total_size, **(metadata or {})},
                  "weight_map": weight_map}  # fmt: skip
-        with open(os.path.join(directory, INDEX_FILE), "w") as f:
-            json.dump(index, f, indent=2)
+        atomic_write_json(os.path.join(directory, INDEX_FILE), index, indent=2)
     return names
 
 

@@ -28,13 +28,13 @@ def _loader(curriculum=None, *, seed=0, batch_size=8, group_size=2, **kwargs):
     )
     kwargs.setdefault("shard_index", 0)
     kwargs.setdefault("shard_count", 1)
+    kwargs.setdefault("buckets", (32, 64, 128, 256, 512))
     return CurriculumLoader(
         sources,
         cur,
         ByteTokenizer(),
         batch_size=batch_size,
         group_size=group_size,
-        buckets=(32, 64, 128, 256, 512),
         seed=seed,
         **kwargs,
     )
@@ -79,9 +79,8 @@ def test_batch_shapes_padding_and_groups():
     loader = _loader(batch_size=8, group_size=4)
     batch = next(loader)
     assert batch.tokens.dtype == np.int32 and batch.tokens.shape[0] == 8
-    assert batch.tokens.shape[1] in (32, 64, 128, 256, 512)
     longest = max(len(tok.encode(t.prompt, add_bos=True)) for t in batch.tasks)
-    assert batch.tokens.shape[1] >= longest > batch.tokens.shape[1] // 2 or longest <= 32
+    assert batch.tokens.shape[1] == _smallest_fit(longest, (32, 64, 128, 256, 512))
     assert batch.mask[:, -1].all()  # left-padded: every prompt ends at the last column
     for row, task in enumerate(batch.tasks):
         ids = batch.tokens[row][batch.mask[row]]
@@ -94,6 +93,24 @@ def test_batch_shapes_padding_and_groups():
     for name in NAMES:
         for key in ("weight", "difficulty", "success"):
             assert f"curriculum/{name}/{key}" in metrics
+
+
+def _smallest_fit(length, buckets):
+    return min(b for b in buckets if b >= length)
+
+
+def test_each_batch_is_padded_to_the_smallest_bucket_that_fits():
+    # Buckets fine enough that these short prompts land in different ones.
+    tok, buckets = ByteTokenizer(), (8, 12, 16, 20, 24, 32, 64, 512)
+    loader = _loader(batch_size=4, group_size=1, buckets=buckets)
+    widths = set()
+    for _ in range(6):
+        batch = next(loader)
+        longest = max(len(tok.encode(t.prompt, add_bos=True)) for t in batch.tasks)
+        assert batch.tokens.shape[1] == _smallest_fit(longest, buckets), longest
+        widths.add(batch.tokens.shape[1])
+        loader.update(_feedback(batch))
+    assert len(widths) > 1  # more than one bucket was exercised
 
 
 def test_shards_read_disjoint_items():

@@ -2,7 +2,6 @@
 
 import json
 
-import numpy as np
 import pytest
 
 from rlpt.rewards import (
@@ -126,11 +125,20 @@ def test_pairs_from_verifier_results():
 @pytest.mark.parametrize("name", ["arithmetic", "stepwise_math"])
 def test_correctness_pairs_differ_only_in_correctness(name):
     dom = get_domain(name)
-    for pair in correctness_pairs(dom, dom.tasks("heldout", 20, 3), seed=1):
+    tasks = dom.tasks("heldout", 20, 3)
+    pairs = correctness_pairs(dom, tasks, seed=1)
+    assert [(p.prompt, p.chosen, p.domain) for p in pairs] == [
+        (t.prompt, dom.demonstration(t), name) for t in tasks
+    ]
+    # The domain's own verifier, run here: every chosen completion right, every rejected wrong.
+    verdicts = dom.verify_batch(
+        tasks + tasks, [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    )
+    assert [v.correct for v in verdicts] == [True] * len(tasks) + [False] * len(tasks)
+    for pair in pairs:
         assert pair.chosen != pair.rejected
         # Same shape: the same number of steps and markers, only numbers differ.
         assert pair.chosen.count("<step>") == pair.rejected.count("<step>")
         assert pair.rejected.count("<answer>") == 1
         strip = lambda s: "".join(ch for ch in s if not ch.isdigit() and ch != "-")
         assert strip(pair.chosen) == strip(pair.rejected)
-    assert np.isfinite(len(pair.chosen))

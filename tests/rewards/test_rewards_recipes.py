@@ -1,12 +1,13 @@
-"""The reward-model recipe's plumbing: trunk warm start and multi-domain SFT."""
+"""The reward-model recipe: trunk warm start, multi-domain SFT and RM training that learn."""
 
 import jax
 import numpy as np
 
 from rlpt.models import CausalLM, RewardModel, create_model
 from rlpt.rewards.data import correctness_pairs
-from rlpt.rewards.recipes import small_config, train_reward_model, train_sft
-from rlpt.rewards.train import with_trunk
+from rlpt.rewards.preferences import encode_pairs
+from rlpt.rewards.recipes import sft_examples, small_config, train_reward_model, train_sft
+from rlpt.rewards.train import TrainConfig, rm_trainer, sft_trainer, with_trunk
 from rlpt.tasks import get_domain
 from rlpt.tokenizers import ByteTokenizer
 
@@ -22,13 +23,36 @@ def test_reward_model_starts_from_the_policy_trunk_and_a_fresh_head():
     np.testing.assert_array_equal(np.asarray(rm["head_w"][...]), head)
 
 
-def test_multi_domain_sft_then_rm_training_runs():
+def test_multi_domain_sft_then_rm_training_learns_both_domains():
     tok = ByteTokenizer()
     config = small_config(d_model=32, n_layers=1, max_seq_len=48)
     arith, steps = get_domain("arithmetic"), get_domain("stepwise_math")
     tasks = arith.tasks("train", 8, 1, seed=0) + steps.tasks("train", 8, 1, seed=0)
-    _, policy, metrics = train_sft(config, None, tasks, tok, steps=2, batch_size=4)
-    assert np.isfinite(metrics["loss"])
+    graph, policy, _ = train_sft(config, None, tasks, tok, steps=30, batch_size=4)
+    # The untrained policy train_sft starts from (its seed, 0).
+    _, untrained = create_model(lambda r: CausalLM(config, rngs=r), jax.random.key(0))
+    sft = sft_trainer(TrainConfig(), graph)
+    for dom, part in ((arith, tasks[:8]), (steps, tasks[8:])):
+        data = sft_examples(tok, part, [dom.demonstration(t) for t in part], 48)
+        before = float(sft.evaluate(untrained, data)["loss"])
+        after = float(sft.evaluate(policy, data)["loss"])
+        # Measured: about 0.65x for each domain after 30 steps.
+        assert after < 0.8 * before, (dom.name, before, after)
+
     pairs = correctness_pairs(arith, tasks[:8]) + correctness_pairs(steps, tasks[8:])
-    _, _, rm_metrics = train_reward_model(config, pairs, tok, steps=2, batch_size=4, policy=policy)
-    assert np.isfinite(rm_metrics["loss"])
+    rm_graph, rm, _ = train_reward_model(config, pairs, tok, steps=60, batch_size=4, policy=policy)
+    # Against the same start: the policy's trunk under a fresh head (seed 0), a loss of
+    # about log 2 since its scores barely differ.
+    _, start = create_model(lambda r: RewardModel(config, rngs=r), jax.random.key(0))
+    start = with_trunk(start, policy)
+    arrays, _ = encode_pairs(pairs, tok, 48, pad_to=48)
+    batch = {
+        "chosen": arrays.chosen, "chosen_mask": arrays.chosen_mask,
+        "rejected": arrays.rejected, "rejected_mask": arrays.rejected_mask,
+        "margin": arrays.margin, "weight": np.ones(len(pairs), np.float32),
+    }  # fmt: skip
+    rm_eval = rm_trainer(TrainConfig(), rm_graph)
+    before = float(rm_eval.evaluate(start, batch)["loss"])
+    after = float(rm_eval.evaluate(rm, batch)["loss"])
+    # Measured: from 0.69 to about 0.16 (0.24x) after 60 steps.
+    assert after < 0.5 * before, (before, after)

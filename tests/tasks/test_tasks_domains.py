@@ -36,7 +36,7 @@ def test_seeds_give_varied_tasks(name):
 @pytest.mark.parametrize("name", BUILTIN)
 def test_train_and_heldout_never_share_a_prompt(name):
     domain = get_domain(name)
-    total = 0
+    distinct = 0
     for difficulty in range(1, domain.max_difficulty + 1):
         train = {t.prompt for t in domain.tasks("train", 400, difficulty)}
         heldout = {t.prompt for t in domain.tasks("heldout", 200, difficulty)}
@@ -44,8 +44,11 @@ def test_train_and_heldout_never_share_a_prompt(name):
         assert train.isdisjoint(heldout)
         assert train.isdisjoint(ood)
         assert len(heldout) > 1
-        total += 400 + 200 + 100
-    assert total >= 2000
+        distinct += len(train | heldout | ood)
+    # Disjointness means something only over many different prompts: a generator that
+    # repeats a handful would pass the checks above. (The smallest domain, program
+    # synthesis, draws about 1800 distinct prompts here; the others over 4000.)
+    assert distinct >= 1000
 
 
 @pytest.mark.parametrize("name", BUILTIN)
