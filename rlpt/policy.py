@@ -8,7 +8,6 @@ reads a run's configuration but never imports a trainer.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +18,7 @@ import ml_collections
 from rlpt import checkpoint as ckpt_lib
 from rlpt.models import CausalLM, ValueModel, create_model, get_preset
 from rlpt.rl import PPOConfig, init_train_state
+from rlpt.runfiles import read_json
 from rlpt.sampling import DEFAULT_BUCKETS, Sampler
 from rlpt.tasks import Domain, get_domain
 from rlpt.tokenizers import ByteTokenizer, Tokenizer
@@ -170,33 +170,31 @@ class RestoredPolicy:
 
 def restore_policy(workdir: str) -> RestoredPolicy:
     """The policy of ``workdir``'s latest checkpoint (read only: the run is not touched)."""
-    with open(os.path.join(workdir, RUN_CONFIG_FILE), encoding="utf-8") as f:
-        config = ml_collections.ConfigDict(json.load(f))
+    config = ml_collections.ConfigDict(read_json(os.path.join(workdir, RUN_CONFIG_FILE)))
     config.overwrite = False
     mcfg = model_config(config)
     tokenizer = make_tokenizer(config, mcfg)
     graph, params, base = build_policy(config, mcfg, policy_init_key(config))
-    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR), async_save=False)
-    try:
-        step = ckpt.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {workdir}")
-        meta = ckpt.read_meta(step)
+
+    def targets(meta):
         if "sft" in meta["items"]:
             tx = sft_lib.make_optimizer(config.sft.learning_rate, config.sft.warmup_steps,
                                         config.sft.weight_decay)  # fmt: skip
-            items, _ = ckpt.restore(step, {"sft": sft_lib.init_sft_state(params, tx)}, only=True)
-            policy = items["sft"].params
-        else:
-            cfg = ppo_config(config)
-            value = None
-            if cfg.uses_critic:
-                value = create_model(lambda rngs: ValueModel(mcfg, rngs=rngs),
-                                     jax.random.key(1))[1]  # fmt: skip
-            template = init_train_state(cfg, params, value, jax.random.key_data(jax.random.key(0)))
-            items, _ = ckpt.restore(step, {"ppo": template}, only=True)
-            policy = items["ppo"].policy
+            return {"sft": sft_lib.init_sft_state(params, tx)}
+        cfg = ppo_config(config)
+        value = None
+        if cfg.uses_critic:
+            value = create_model(lambda rngs: ValueModel(mcfg, rngs=rngs), jax.random.key(1))[1]
+        return {"ppo": init_train_state(cfg, params, value, jax.random.key_data(jax.random.key(0)))}
+
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR), async_save=False)
+    try:
+        restored = ckpt.restore_latest(targets, only=True)
     finally:
         ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(f"no checkpoint in {workdir}")
+    step, items, meta = restored
+    policy = items["sft"].params if "sft" in items else items["ppo"].policy
     return RestoredPolicy(config, mcfg, tokenizer, graph, full_policy(policy, base), policy,
                           base, step, meta["stage"])  # fmt: skip

@@ -24,12 +24,31 @@ from jax.experimental import multihost_utils
 
 def to_device(tree, shardings):
     """``tree`` (host values equal in every process) placed on ``shardings`` (a matching
-    tree, or one sharding for every leaf); ``None`` leaves stay ``None``."""
+    tree, or one sharding for every leaf); ``None`` leaves stay ``None``. A leaf already
+    placed there is returned as it is."""
     if shardings is None:
         return tree
     if isinstance(shardings, jax.sharding.Sharding):
-        return jax.tree.map(lambda x: jax.device_put(x, shardings), tree)
-    return jax.device_put(tree, shardings)
+        return jax.tree.map(lambda x: _place(x, shardings), tree)
+    return jax.tree.map(_place, tree, shardings)
+
+
+def _place(x, sharding):
+    if (
+        jax.process_count() > 1
+        and isinstance(x, jax.Array)
+        and x.is_fully_addressable
+        and not sharding.is_fully_addressable
+    ):
+        # A process-local array cannot be resharded onto devices of other processes
+        # directly; every process holds the same value, so each contributes its shards
+        # from the host copy.
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(x)
+            data = jax.device_put(np.asarray(jax.random.key_data(x)), sharding)
+            return jax.random.wrap_key_data(data, impl=impl)
+        x = np.asarray(x)
+    return jax.device_put(x, sharding)
 
 
 def to_host(tree):

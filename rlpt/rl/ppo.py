@@ -22,11 +22,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
+from rlpt.parallel.multihost import to_device, to_host
 from rlpt.parallel.sharding import (
     DEFAULT_RULES,
     Rules,
@@ -669,10 +669,6 @@ class PPOTrainer:
         self._score = None
         self._advantages = None
         self._permutations = None
-        if cfg.pack_sequences and jax.process_count() > 1:
-            # The host plans the packing from the whole batch, which one process of a
-            # multi-process run does not hold.
-            raise ValueError("ppo.pack_sequences needs a single-process run")
 
     def _data_parallel(self) -> int:
         return 1 if self.mesh is None else data_parallel_size(self.mesh, self.rules)
@@ -696,10 +692,13 @@ class PPOTrainer:
             self._permutations = jax.jit(
                 functools.partial(epoch_permutations, self.cfg), static_argnums=1
             )
-        perms = np.asarray(jax.device_get(self._permutations(state.key, batch.batch_size)))
+        # The host plans the packing from the whole batch, which every process holds.
+        perms = to_host(self._permutations(state.key, batch.batch_size))
+        tokens, input_mask = to_host((batch.tokens, batch.input_mask))
         return plan_update(
-            batch, perms, self.cfg.num_minibatches, self.cfg.grad_accum, self._data_parallel()
-        )
+            batch.replace(tokens=tokens, input_mask=input_mask), perms,
+            self.cfg.num_minibatches, self.cfg.grad_accum, self._data_parallel(),
+        )  # fmt: skip
 
     def _batch_shardings(self, batch: RolloutBatch):
         if self.mesh is None:
@@ -716,17 +715,34 @@ class PPOTrainer:
         recompile for a change from uncommitted to committed arrays."""
         if self.mesh is None:
             return jax.device_put(state, jax.devices()[0])
-        return jax.device_put(state, self.state_shardings(state))
+        return to_device(state, self.state_shardings(state))
 
     def shard_batch(self, batch: RolloutBatch) -> RolloutBatch:
         if self.mesh is None:
             return batch
-        return jax.device_put(batch, self._batch_shardings(batch))
+        return to_device(batch, self._batch_shardings(batch))
+
+    def _place(self, tree, sharding_fn):
+        """``tree`` on the mesh (host values of every process onto global shardings)."""
+        if self.mesh is None or tree is None:
+            return tree
+        return to_device(tree, sharding_fn(tree))
+
+    def _params_sharding(self, tree):
+        return state_shardings(tree, self.mesh, self.rules)
 
     def update(self, state: TrainState, batch: RolloutBatch):
         check_batch_layout(self.cfg, batch.batch_size, self.mesh, self.rules)
         plan = self.plan(state, batch)
-        return self.jitted_update(state, batch, plan)(state, batch, self.frozen, plan)
+        update = self.jitted_update(state, batch, plan)
+        if self.mesh is not None:
+            batch = self.shard_batch(batch)
+            if plan is not None:
+                plan = to_device(plan, UpdatePlan(
+                    permutations=replicated(self.mesh),
+                    rows=self._packed_sharding(plan.rows, rows_axis=3),
+                ))  # fmt: skip
+        return update(state, batch, self._place(self.frozen, self._params_sharding), plan)
 
     def jitted_update(self, state: TrainState, batch: RolloutBatch, plan: UpdatePlan | None = None):
         """The jitted ``(state, batch, frozen, plan) -> (state, metrics)``; ``state``, ``batch``
@@ -792,7 +808,13 @@ class PPOTrainer:
                     ),
                     out_shardings=batch_sh,
                 )  # fmt: skip
-        return self._score(state.policy, ref_params, state.value, batch, self.frozen, packed)
+        if self.mesh is not None:
+            ref_params = self._place(ref_params, self._params_sharding)
+            batch = self.shard_batch(batch)
+            if packed is not None:
+                packed = to_device(packed, self._packed_sharding(packed, rows_axis=0))
+        frozen = self._place(self.frozen, self._params_sharding)
+        return self._score(state.policy, ref_params, state.value, batch, frozen, packed)
 
     def advantages(self, state: TrainState, batch: RolloutBatch) -> RolloutBatch:
         if self._advantages is None:
@@ -804,4 +826,5 @@ class PPOTrainer:
                 self._advantages = jax.jit(
                     fn, in_shardings=(replicated(self.mesh), batch_sh), out_shardings=batch_sh
                 )
-        return self._advantages(state.kl, batch)
+        kl = state.kl if self.mesh is None else to_device(state.kl, replicated(self.mesh))
+        return self._advantages(kl, batch)

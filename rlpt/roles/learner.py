@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlpt.models import ValueModel, create_model
+from rlpt.parallel import state_shardings
+from rlpt.parallel.multihost import to_device
 from rlpt.policy import full_policy
 from rlpt.rl import PPOConfig, PPOTrainer, RolloutBatch, init_train_state, new_rollout_batch
 from rlpt.roles.rollout import Trajectories
@@ -59,6 +61,15 @@ class PPOLearner:
         self.ref_params = jax.tree.map(jnp.copy, params)
         value = self.value_init(params) if self.cfg.uses_critic else None
         self.state = init_train_state(self.cfg, params, value, key_data)
+        self.place()
+
+    def place(self) -> None:
+        """The state and the reference where the jitted steps keep them (on the mesh)."""
+        self.state = self.trainer.shard_state(self.state)
+        if self.trainer.mesh is not None:
+            self.ref_params = to_device(
+                self.ref_params, state_shardings(self.ref_params, self.trainer.mesh)
+            )
 
     def value_init(self, policy_params):
         """The critic's trunk starts as the policy's trunk; its head starts at zero output."""

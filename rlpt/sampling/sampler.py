@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from rlpt.models.config import ModelConfig
 from rlpt.models.transformer import KVCache, positions_from_mask
+from rlpt.parallel.multihost import to_device, to_host
 from rlpt.parallel.sharding import (
     DEFAULT_RULES,
     Rules,
@@ -225,7 +226,13 @@ class Sampler:
     ) -> SampleOutput:
         """Generate for a list of token-id prompts; returns numpy arrays, one row per prompt."""
         tokens, mask = self.prepare(prompts, max_new_tokens)
-        out = self._fn(state, max_new_tokens, sampling)(state, tokens, mask, key)
-        out = jax.device_get(out)
+        fn = self._fn(state, max_new_tokens, sampling)
+        if self.mesh is not None:
+            # Host values (equal in every process) onto the mesh; a placed state stays put.
+            rows = batch_sharding(self.mesh, 2, self.rules)
+            state = to_device(state, state_shardings(state, self.mesh, self.rules))
+            tokens, mask = to_device((tokens, mask), (rows, rows))
+            key = to_device(key, replicated(self.mesh))
+        out = to_host(fn(state, tokens, mask, key))
         n = len(prompts)
-        return jax.tree.map(lambda x: np.asarray(x)[:n], out)
+        return jax.tree.map(lambda x: x[:n], out)

@@ -30,8 +30,33 @@ class Verifier:
 
     def verify(
         self, domain_names: Sequence[str], tasks: Sequence[Task], completions: Sequence[str]
-    ):
-        """``VerifyResult`` per (task, completion); ``domain_names[i]`` picks the verifier."""
+    ) -> list[VerifyResult]:
+        """``VerifyResult`` per (task, completion); ``domain_names[i]`` picks the verifier.
+
+        In a multi-process run every process passes the same rows, verifies its own
+        contiguous share of them (its own sandbox pool runs that share's code) and
+        receives the others' verdicts.
+        """
+        import jax
+
+        if jax.process_count() == 1:
+            return self._verify(domain_names, tasks, completions)
+        from rlpt.metrics import to_json_value
+        from rlpt.parallel.multihost import allgather_json, process_rows
+
+        rows = process_rows(len(tasks))
+        mine = self._verify(
+            [domain_names[i] for i in rows], [tasks[i] for i in rows],
+            [completions[i] for i in rows],
+        )  # fmt: skip
+        gathered = allgather_json([
+            {"reward": float(r.reward), "outcome": r.outcome, "valid": bool(r.valid),
+             "details": to_json_value(r.details)}
+            for r in mine
+        ])  # fmt: skip
+        return [VerifyResult(**r) for r in gathered]
+
+    def _verify(self, domain_names, tasks, completions) -> list[VerifyResult]:
         results: list[VerifyResult | None] = [None] * len(tasks)
         by_domain: dict[str, list[int]] = collections.defaultdict(list)
         for i, name in enumerate(domain_names):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from typing import Any
 
@@ -46,12 +45,15 @@ from rlpt.metrics import (
     PROFILE_DIR,
     MetricWriter,
     StepProfiler,
+    drop_lines_after,
     matmul_peak_flops,
     to_json_value,
 )
+from rlpt.parallel import make_mesh
 from rlpt.policy import RUN_CONFIG_FILE, PPOConfig, adapter_name, full_policy
 from rlpt.rewards.learned import LearnedRewards
 from rlpt.roles import COUNTERS, PPOLearner, RewardRole, RolloutWorker, make_rule_reward
+from rlpt.runfiles import atomic_write_json, check_workdir, read_json, set_aside_run_files
 from rlpt.sampling import DEFAULT_BUCKETS, Sampler, SamplingParams
 from rlpt.tasks import Verifier
 from rlpt.trainers import learned_rewards
@@ -90,6 +92,14 @@ def run_identity(config: ml_collections.ConfigDict) -> dict[str, Any]:
     for name in RUN_CONTROL_FIELDS:
         data.pop(name, None)
     return data
+
+
+def mesh_sizes(config) -> dict[str, int]:
+    """``config.mesh``'s axis sizes (-1: the rest of the devices); all data-parallel
+    when the config has no mesh section."""
+    mesh = _plain(config.get("mesh", None)) or {}
+    return {"data": mesh.get("data", -1), "fsdp": mesh.get("fsdp", 1),
+            "tensor": mesh.get("tensor", 1)}  # fmt: skip
 
 
 def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -159,10 +169,13 @@ class PostTrainRun:
             for x in jax.tree.leaves(full_policy(self.init_params, self.base_params))
         )
         self._peak: float | None = None
+        # One mesh for every role: sampling, scoring and the update are sharded by the
+        # logical-axis rules over it.
+        self.mesh = make_mesh(**mesh_sizes(config))
         buckets = tuple(config.rollout.get("buckets", DEFAULT_BUCKETS))
         self.sampler = Sampler(
             self.policy_graph, self.model_cfg, eos_id=self.tokenizer.eos_id,
-            pad_id=self.tokenizer.pad_id, buckets=buckets,
+            pad_id=self.tokenizer.pad_id, buckets=buckets, mesh=self.mesh,
         )  # fmt: skip
 
         # Reward: verifiers (sandboxed domains in the pool), rule terms, learned terms.
@@ -209,7 +222,7 @@ class PostTrainRun:
         # RL: the learner, the curriculum loader and the rollout worker.
         self.learner = PPOLearner(
             self.ppo_cfg, self.policy_graph, self.model_cfg, value_key=self.keys["value_init"],
-            base_params=self.base_params, lora=self.lora,
+            base_params=self.base_params, lora=self.lora, mesh=self.mesh,
         )  # fmt: skip
         self.loader = self._make_loader()
         rollout = RolloutWorker(
@@ -251,31 +264,37 @@ class PostTrainRun:
     # -- workdir: refuse a different run, resume the same one -------------------------------
 
     def _check_workdir(self) -> None:
+        """Claims the workdir for this config, or refuses a different run found there.
+
+        Only process 0 writes; nothing is ever deleted: an overwritten run's files are
+        moved aside under names that say so."""
+        check_workdir(self.workdir)
         path = os.path.join(self.workdir, RUN_CONFIG_FILE)
         identity = run_identity(self.config)
+        writes = jax.process_index() == 0
         if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                stored = json.load(f)
+            stored = read_json(path)
             if stored != identity:
                 if not self.config.get("overwrite", False):
-                    # train.py already wrote the new config.json; put the run's own back.
-                    with open(os.path.join(self.workdir, "config.json"), "w",
-                              encoding="utf-8") as f:  # fmt: skip
-                        json.dump(stored, f, indent=2, sort_keys=True)
+                    if writes:
+                        # train.py already wrote the new config.json; put the run's own back.
+                        atomic_write_json(os.path.join(self.workdir, "config.json"), stored,
+                                          indent=2, sort_keys=True)  # fmt: skip
                     raise ValueError(
                         f"workdir {self.workdir} holds a run with a different config "
                         f"(differs in {_diff_keys(stored, identity)[:10]}); use another workdir "
                         "or pass --config.overwrite=True to replace it"
                     )
                 logging.warning("Overwriting the run in %s (config.overwrite)", self.workdir)
-                for name in (ckpt_lib.CHECKPOINT_DIR,):
-                    shutil.rmtree(os.path.join(self.workdir, name), ignore_errors=True)
-                for name in (METRICS_FILE, SAMPLES_FILE, SUMMARY_FILE):
-                    if os.path.exists(os.path.join(self.workdir, name)):
-                        os.remove(os.path.join(self.workdir, name))
-        os.makedirs(self.workdir, exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(identity, f, indent=2, sort_keys=True)
+                if writes:
+                    set_aside_run_files(
+                        self.workdir,
+                        (ckpt_lib.CHECKPOINT_DIR, METRICS_FILE, SAMPLES_FILE, SUMMARY_FILE),
+                        "overwritten",
+                    )
+        if writes:
+            os.makedirs(self.workdir, exist_ok=True)
+            atomic_write_json(path, identity, indent=2, sort_keys=True)
 
     def _make_loader(self) -> CurriculumLoader:
         c = self.config
@@ -289,6 +308,8 @@ class PostTrainRun:
         return CurriculumLoader(
             sources, curriculum, self.tokenizer, batch_size=c.rollout.batch_size,
             group_size=c.rollout.group_size, buckets=self.sampler.buckets, seed=c.seed,
+            # Every process draws the whole batch: host logic (curriculum, group filtering,
+            # packing plans) stays identical across processes; device work is sharded.
             shard_index=0, shard_count=1,
         )  # fmt: skip
 
@@ -337,30 +358,40 @@ class PostTrainRun:
     def _elapsed(self) -> float:
         return self._elapsed_before + (time.perf_counter() - self.start_time)
 
-    def restore(self) -> bool:
-        step = self.ckpt.latest_step()
-        if step is None:
-            # A run that died before its first checkpoint starts over from nothing.
-            self.writer.close()
-            for name in (METRICS_FILE, SAMPLES_FILE, SUMMARY_FILE):
-                if os.path.exists(os.path.join(self.workdir, name)):
-                    os.remove(os.path.join(self.workdir, name))
-            self.writer = self._metric_writer()
-            return False
-        meta = self.ckpt.read_meta(step)
+    def _restore_targets(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Templates for the items a checkpoint step holds."""
+        names = meta["items"]
         targets = {}
-        if "sft" in meta["items"]:
+        if "sft" in names:
             targets["sft"] = self.sft.state_template()
-        if "ppo" in meta["items"]:
+        if "ppo" in names:
             targets["ppo"] = self.learner.state_template(
                 self.init_params, jax.random.key_data(self.keys["ppo"])
             )
-        if "ref" in meta["items"]:
+        if "ref" in names:
             targets["ref"] = self.init_params
-        targets.update(
-            self.learned.templates(meta["items"], self.model_cfg, self.tokenizer.step_id)
+        targets.update(self.learned.templates(names, self.model_cfg, self.tokenizer.step_id))
+        return targets
+
+    def restore(self) -> bool:
+        """Resumes from the newest checkpoint that restores (damaged ones are skipped,
+        named and set aside); without one, earlier run files are set aside."""
+        restored = self.ckpt.restore_latest(
+            self._restore_targets, set_aside_damaged=jax.process_index() == 0
         )
-        items, meta = self.ckpt.restore(step, targets)
+        for step, error in self.ckpt.skipped_steps.items():
+            print(f"Checkpoint at step {step} does not restore ({error}); skipped.", flush=True)
+        if restored is None:
+            # A run that died before its first checkpoint starts over; what it logged is
+            # kept under a name that says why.
+            self.writer.close()
+            if jax.process_index() == 0:
+                set_aside_run_files(
+                    self.workdir, (METRICS_FILE, SAMPLES_FILE, SUMMARY_FILE), "no-checkpoint"
+                )
+            self.writer = self._metric_writer()
+            return False
+        step, items, meta = restored
         self.learned.set_items(items)
         self.learned.set_monitor_state(meta.get("reward_monitor", {}))
         self.learned.set_trace_state(meta.get("reward_model_traces", []))
@@ -371,11 +402,14 @@ class PostTrainRun:
         self.sft.state = items.get("sft")
         self.learner.state = items.get("ppo")
         self.learner.ref_params = items.get("ref")
+        if self.learner.state is not None:
+            self.learner.place()
         self.loader.set_state(meta["loader"])
         self.sft.stream.position = int(meta["sft_position"])
         self._elapsed_before = float(meta["elapsed_s"])
         self.writer.resume(step)
-        _truncate_jsonl(os.path.join(self.workdir, SAMPLES_FILE), step)
+        if jax.process_index() == 0:
+            drop_lines_after(os.path.join(self.workdir, SAMPLES_FILE), step)
         print(f"Resumed from checkpoint at step {step} (stage {meta['stage']}).", flush=True)
         return True
 
@@ -452,6 +486,8 @@ class PostTrainRun:
     def _save_model_outputs(self) -> None:
         """The trained adapter as ``DIR/adapters/NAME``; for a Hugging Face model, also an
         interop checkpoint ``DIR/model`` (base weights plus that adapter) to export."""
+        if jax.process_index() != 0:
+            return
         name = adapter_name(self.config)
         if self.lora is not None:
             from rlpt.interop.checkpoint import save_adapter
@@ -533,8 +569,9 @@ class PostTrainRun:
             }
         if self.meta.get("reward_models"):
             summary["reward_models"] = self.meta["reward_models"]
-        with open(os.path.join(self.workdir, SUMMARY_FILE), "w", encoding="utf-8") as f:
-            json.dump(to_json_value(summary), f, indent=2, sort_keys=True)
+        if jax.process_index() == 0:
+            atomic_write_json(os.path.join(self.workdir, SUMMARY_FILE), to_json_value(summary),
+                              indent=2, sort_keys=True)  # fmt: skip
         return summary
 
     def close(self) -> None:
@@ -544,23 +581,6 @@ class PostTrainRun:
         self.loader.close()
         if self.pool is not None:
             self.pool.close()
-
-
-def _truncate_jsonl(path: str, step: int) -> None:
-    """Drops lines with a step after ``step`` (the resume rule, applied to samples.jsonl)."""
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        kept = []
-        for line in f:
-            try:
-                if int(json.loads(line).get("step", 0)) <= step:
-                    kept.append(line)
-            except (json.JSONDecodeError, ValueError):
-                continue
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
 
 
 __all__ = [

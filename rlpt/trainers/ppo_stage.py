@@ -22,6 +22,7 @@ import numpy as np
 
 from rlpt.data import CurriculumLoader, Feedback
 from rlpt.metrics import rl_step_model_flops
+from rlpt.parallel.multihost import to_host
 from rlpt.roles import PPOLearner, RewardRole, RolloutWorker, Trajectories, group_varies
 from rlpt.trainers.context import RunEvaluation, StageContext
 
@@ -100,8 +101,7 @@ class PPOStage:
         jax.block_until_ready(batch.advantages)
         t_score = time.perf_counter()
         update_metrics = self.learner.update(batch)
-        adv = np.asarray(batch.advantages)
-        mask = np.asarray(batch.response_mask)
+        adv, mask = to_host((batch.advantages, batch.response_mask))
         abs_adv = np.abs(adv * mask).sum(1) / np.maximum(mask.sum(1), 1.0)
         # The curriculum hears of every valid sample in the update and of the uniform
         # groups left out of it, whose advantage is exactly zero.
@@ -113,7 +113,7 @@ class PPOStage:
             reward=fed.verdicts.rewards[keep], abs_advantage=fed_abs_adv[keep],
             difficulty=fed.difficulty[keep], confidence=confidence,
         ))  # fmt: skip
-        update_metrics = jax.device_get(update_metrics)
+        update_metrics = to_host(update_metrics)
         # The reward model learns from this rollout's verdicts; refreshed, it scores the next.
         learned_metrics.update(self.reward.learned.observe(
             step, up.tasks, up.texts, up.verdicts.results,
