@@ -76,7 +76,11 @@ def train_and_evaluate(
 
 def _trainer_config(typed: Any) -> ml_collections.ConfigDict:
     """The parsed config, derived values filled in, as the ConfigDict the trainers read."""
-    config = ml_collections.ConfigDict(dataclasses.asdict(typed))
+    data = dataclasses.asdict(typed)
+    if "model" in data and data["model"].get("hf_path") is None:
+        # The trainers read the presence of model.hf_path as "a Hugging Face run".
+        del data["model"]["hf_path"]
+    config = ml_collections.ConfigDict(data)
     config.lock()
     return config
 
@@ -206,6 +210,15 @@ def _check_workdir(workdir: str) -> None:
         raise ConfigError(f"--workdir {workdir} is not writable: {parent}")
 
 
+def _check_against_processes(config: PostTrainConfig) -> None:
+    """Checks that need the device and process counts (known once JAX has started)."""
+    config.mesh.shape(jax.device_count())
+    if config.ppo.pack_sequences and jax.process_count() > 1:
+        raise ConfigError(
+            f"ppo.pack_sequences must be False in a run of {jax.process_count()} processes"
+        )
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         _fail(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -220,7 +233,7 @@ def main(argv: list[str]) -> None:
         logging.info("JAX process %d of %d", jax.process_index(), jax.process_count())
     if isinstance(config, PostTrainConfig):
         try:  # the mesh sizes against the devices there are, before anything compiles
-            config.mesh.shape(jax.device_count())
+            _check_against_processes(config)
         except ConfigError as e:
             _fail(str(e))
     result = train_and_evaluate(config, _WORKDIR.value)
