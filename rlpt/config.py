@@ -218,7 +218,8 @@ class RolloutSection:
     def __post_init__(self):
         for name in ("batch_size", "group_size", "max_new_tokens", "filter_max_rounds"):
             _at_least(f"rollout.{name}", getattr(self, name), 1)
-        _positive("rollout.temperature", self.temperature)
+        if not self.temperature > 0:
+            raise ConfigError(f"rollout.temperature must be a number > 0, got {self.temperature!r}")
         if self.batch_size % self.group_size:
             raise ConfigError(
                 f"rollout.batch_size must be a multiple of rollout.group_size "
@@ -434,12 +435,13 @@ class EvalSection:
             _at_least(f"eval.{name}", getattr(self, name), 0)
         _at_least("eval.batch_size", self.batch_size, 1)
         # As rlpt.eval.check_sampling: pass@1 is the greedy score, so sampled k starts at 2.
-        if self.n_samples:
-            _at_least("eval.k", self.k, 2)
-            if self.n_samples < self.k:
-                raise ConfigError(
-                    f"eval.n_samples must be >= eval.k ({self.k}), got {self.n_samples}"
-                )
+        if self.n_samples and self.k < 2:
+            raise ConfigError(
+                f"eval.k must be >= 2 when eval.n_samples > 0, got {_fmt(self.k)}: pass@1 is "
+                "the greedy score and the sampled pass@1 is reported as sample_pass@1"
+            )
+        if self.n_samples and self.n_samples < self.k:
+            raise ConfigError(f"eval.n_samples ({self.n_samples}) must be >= eval.k ({self.k})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -140,8 +140,14 @@ BAD_POST_TRAIN = [
     ({"checkpoint__every": 0}, "checkpoint.every must be >= 1, got 0"),
     ({"checkpoint__keep": 0}, "checkpoint.keep must be >= 1, got 0"),
     ({"eval__every": -1}, "eval.every must be >= 0, got -1"),
-    ({"eval__k": 1}, "eval.k must be >= 2, got 1"),
-    ({"eval__n_samples": 3}, "eval.n_samples must be >= eval.k (4), got 3"),
+    (
+        {"eval__k": 1},
+        (
+            "eval.k must be >= 2 when eval.n_samples > 0, got 1: pass@1 is the greedy score "
+            "and the sampled pass@1 is reported as sample_pass@1"
+        ),
+    ),
+    ({"eval__n_samples": 3}, "eval.n_samples (3) must be >= eval.k (4)"),
     (
         {"rollout__batch_size": 60},
         "rollout.batch_size must be a multiple of rollout.group_size (8), got 60",
@@ -151,7 +157,7 @@ BAD_POST_TRAIN = [
         {"ppo__num_groups": 4},
         "ppo.num_groups must be rollout.batch_size / rollout.group_size = 8 (or None), got 4",
     ),
-    ({"rollout__temperature": 0.0}, "rollout.temperature must be > 0, got 0"),
+    ({"rollout__temperature": 0.0}, "rollout.temperature must be a number > 0, got 0.0"),
     (
         {"rollout__group_size": 1, "rollout__batch_size": 8, "ppo__num_minibatches": 1},
         "rollout.group_size must be >= 2 for ppo.estimator 'grpo' "
