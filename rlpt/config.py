@@ -275,8 +275,6 @@ class PPOSection(PPOConfig):
         for name in ("epochs", "num_minibatches", "grad_accum"):
             _at_least(f"ppo.{name}", getattr(self, name), 1)
         _at_least("ppo.warmup_steps", self.warmup_steps, 0)
-        if self.total_steps is not None:
-            _at_least("ppo.total_steps", self.total_steps, 0)
         if self.num_groups is not None:
             _at_least("ppo.num_groups", self.num_groups, 1)
         _unit("ppo.end_lr_fraction", self.end_lr_fraction)
@@ -550,6 +548,8 @@ class PostTrainConfig:
         self._check_stages()
         self._check_domains()
         _at_least("ppo_steps", self.ppo_steps, 0)
+        if self.ppo.total_steps is not None:  # after ppo_steps: it may be derived from it
+            _at_least("ppo.total_steps", self.ppo.total_steps, 0)
         self._check_ppo_against_rollout()
         self._check_learned_rewards()
         k = len(self.domains)
@@ -791,14 +791,25 @@ def default_config(trainer: str) -> ml_collections.ConfigDict:
     """
     if trainer not in CONFIG_TYPES:
         raise ConfigError(f"trainer must be one of {tuple(CONFIG_TYPES)}, got {trainer!r}")
-    return _defaults_dict(CONFIG_TYPES[trainer])
+    config = _defaults_dict(CONFIG_TYPES[trainer])
+    if trainer == "post_train":
+        # The same rule as PostTrainConfig.derived_total_steps, as a lazy reference: code
+        # that reads the ConfigDict itself sees the derived value, and it follows
+        # ppo_steps, epochs and num_minibatches wherever they are set. Setting
+        # ppo.total_steps replaces it.
+        config.ppo.total_steps = (
+            config.get_ref("ppo_steps")
+            * config.ppo.get_ref("epochs")
+            * config.ppo.get_ref("num_minibatches")
+        )
+    return config
 
 
 def _defaults_dict(cls: type) -> ml_collections.ConfigDict:
     hints = typing.get_type_hints(cls)
     out = ml_collections.ConfigDict()
     for f in dataclasses.fields(cls):
-        if f.name in _DERIVED_ONLY.get(cls, ()):
+        if f.name in _DERIVED_ONLY.get(cls, ()) + _ADDED_BY_EXPERIMENT.get(cls, ()):
             continue
         if f.default is not dataclasses.MISSING:
             default = f.default
@@ -816,6 +827,9 @@ def _defaults_dict(cls: type) -> ml_collections.ConfigDict:
 
 # Fields set only from other fields: not in the ConfigDict an experiment starts from.
 _DERIVED_ONLY: dict[type, tuple[str, ...]] = {PPOSection: ("sampling_temperature",)}
+# Fields an experiment adds when it uses them: the trainers read model.hf_path's presence
+# as "start from a Hugging Face checkpoint" (experiments/hf_post_train.py adds it).
+_ADDED_BY_EXPERIMENT: dict[type, tuple[str, ...]] = {ModelSection: ("hf_path",)}
 
 
 def _placeholder_type(hint: Any) -> type:

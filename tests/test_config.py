@@ -34,15 +34,32 @@ def _load(path):
 
 
 def _experiment(name, arg=None, **overrides):
-    """The experiment's ConfigDict with dotted-path overrides, as plain data."""
-    config = _load(os.path.join(REPO_ROOT, "experiments", name)).get_config(arg).to_dict()
+    """The experiment's config with overrides (``__`` for the dots of a path), as plain data.
+
+    An override goes into the locked ConfigDict, as the command line's would; one the
+    ConfigDict refuses (an unknown key, a value of another type) into the plain data, so the
+    parser's own check is what the test sees.
+    """
+    config = _load(os.path.join(REPO_ROOT, "experiments", name)).get_config(arg)
+    config.lock()
+    late = {}
     for path, value in overrides.items():
         *sections, key = path.split("__")
-        node = config
+        try:
+            node = config
+            for section in sections:
+                node = node[section]
+            node[key] = value
+        except (AttributeError, KeyError, TypeError):
+            late[path] = value
+    data = config.to_dict()
+    for path, value in late.items():
+        *sections, key = path.split("__")
+        node = data
         for section in sections:
             node = node[section]
         node[key] = value
-    return config
+    return data
 
 
 def _cases():
@@ -94,8 +111,15 @@ def test_total_steps_is_derived_from_ppo_steps_epochs_and_minibatches():
     assert typed.ppo.total_steps == 7 * 3 * 4 == typed.derived_total_steps
     # The other derived fields: groups per batch and the rollout's temperature.
     assert typed.ppo.num_groups == 64 // 8 and typed.ppo.sampling_temperature == 1.4
-    # A value given explicitly is kept.
+    # A value given explicitly is kept; None means derived, also in plain data.
     assert parse_config(_experiment("demo.py", ppo__total_steps=50)).ppo.total_steps == 50
+    data = _experiment("demo.py", ppo_steps=5)
+    data["ppo"]["total_steps"] = None
+    assert parse_config(data).ppo.total_steps == 5 * 2 * 2
+    # Code that reads the experiment's ConfigDict itself sees the derived value too.
+    config = _load(os.path.join(REPO_ROOT, "experiments", "demo.py")).get_config("runlocal")
+    config.ppo_steps = 6
+    assert config.ppo.total_steps == 6 * 1 * 1
 
 
 def test_the_ppo_section_is_a_ppo_config_that_binds_a_jitted_function():
@@ -112,7 +136,7 @@ def test_defaults_live_in_the_dataclasses():
     # overridable where it has a meaning of its own.
     defaults = default_config("post_train")
     assert "sampling_temperature" not in defaults.ppo
-    assert defaults.ppo.total_steps is None and defaults.mesh.data == -1
+    assert defaults.mesh.data == -1 and "hf_path" not in defaults.model
 
 
 # Each bad value and the exact line it gives. Overrides use "__" for the dots of a path.
