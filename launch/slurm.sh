@@ -5,9 +5,10 @@
 #       --workdir=/shared/runs/demo [--partition=gpu] [--time=24:00:00] [--dry-run]
 #
 # Writes the batch script next to the workdir and submits it with sbatch;
-# --dry-run prints the script and the sbatch command instead. Each task learns
-# the coordinator from SLURM (jax.distributed auto-detects SLURM), so the same
-# config runs unchanged with config.distributed=True.
+# --dry-run prints the script and the sbatch command instead. Each task starts
+# multi-process JAX with rlpt.train's --distributed flag, which reads the
+# coordinator, process count and index from SLURM's environment, so the same
+# config runs unchanged.
 set -euo pipefail
 
 nodes=1 gpus=8 partition="" time_limit="24:00:00" config="" workdir="" dry_run=0 extra=()
@@ -40,7 +41,7 @@ ${partition:+#SBATCH --partition=${partition}}
 set -euo pipefail
 cd ${repo}
 . .venv/bin/activate
-srun python -m rlpt.train --config=${config} --workdir=${workdir} --config.distributed=True ${extra[*]:-}
+srun python -m rlpt.train --config=${config} --workdir=${workdir} --distributed ${extra[*]:-}
 "
 
 if [ "$dry_run" = 1 ]; then

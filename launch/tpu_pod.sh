@@ -5,8 +5,8 @@
 #       --config=experiments/demo.py --workdir=gs://BUCKET/runs/demo [--dry-run] [--keep]
 #
 # --dry-run prints every command instead of running it. The same config runs
-# unchanged: rlpt.train initialises multi-host JAX (config.distributed=True)
-# and each host reads its own data shard.
+# unchanged: rlpt.train initialises multi-host JAX from the pod's environment
+# (its --distributed flag) and each host reads its own data shard.
 set -euo pipefail
 
 name="" zone="" type="" config="" workdir="" version="tpu-ubuntu2204-base"
@@ -36,7 +36,7 @@ run() {
 repo_url="$(git -C "$(dirname "$0")/.." remote get-url origin 2>/dev/null || echo "REPO_URL")"
 remote_cmd="set -e; if [ ! -d rlpt ]; then git clone ${repo_url} rlpt; fi; cd rlpt; \
 python3 -m venv .venv && . .venv/bin/activate && pip install -q -e '.[tpu]' && \
-python -m rlpt.train --config=${config} --workdir=${workdir} --config.distributed=True ${extra[*]:-} \
+python -m rlpt.train --config=${config} --workdir=${workdir} --distributed ${extra[*]:-} \
 2>&1 | tee train.log"
 
 run gcloud compute tpus tpu-vm create "$name" --zone="$zone" --accelerator-type="$type" --version="$version"

@@ -22,7 +22,9 @@ def test_tpu_pod_dry_run_prints_the_whole_lifecycle():
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("gcloud compute tpus tpu-vm create r1 ")
     assert "--worker=all" in lines[1] and "--config.seed=3" in lines[1]
-    assert "rlpt.train" in lines[1] and "distributed=True" in lines[1]
+    # Multi-host JAX starts from rlpt.train's flag, never from a config key.
+    assert "rlpt.train" in lines[1] and "--workdir=gs://b/runs/r1\\ --distributed\\ " in lines[1]
+    assert "config.distributed" not in out.stdout
     assert lines[-1].startswith("gcloud compute tpus tpu-vm delete r1")
     assert not os.path.exists(os.path.join(ROOT, "logs", "r1"))  # a dry run writes nothing
 
@@ -33,6 +35,8 @@ def test_slurm_dry_run_prints_the_batch_script():
     assert out.returncode == 0, out.stderr
     assert "#SBATCH --nodes=4" in out.stdout and "#SBATCH --gpus-per-node=8" in out.stdout
     assert "srun python -m rlpt.train --config=experiments/demo.py" in out.stdout
+    assert "--workdir=/tmp/never-made --distributed" in out.stdout
+    assert "config.distributed" not in out.stdout
     assert not os.path.exists("/tmp/never-made")
 
 

@@ -1,0 +1,956 @@
+"""Typed run configuration: one frozen dataclass per section, parsed and checked once.
+
+An experiment file (``experiments/NAME.py``) stays a plain ``get_config(arg)`` returning an
+``ml_collections.ConfigDict``; ``parse_config`` turns it (or a run's stored JSON) into the
+typed config of its trainer before anything is compiled or written:
+
+    cfg = parse_config(get_config("runlocal"))   # PostTrainConfig
+    cfg.rollout.batch_size, cfg.ppo.total_steps  # derived when left None
+
+Every default lives in the dataclass fields below; ``default_config(trainer)`` builds the
+ConfigDict an experiment file starts from, so every field can be overridden from the command
+line and a misspelt key is refused. Every range and cross-field check raises ``ConfigError``,
+whose message is one line naming the full dotted path:
+``ppo.clip_low must be in (0, 1), got -1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+from rlpt.data.curriculum import CurriculumConfig, DifficultyConfig
+from rlpt.rl.kl import KL_KINDS
+from rlpt.rl.ppo import PPOConfig
+
+STAGES = ("sft", "rm", "prm", "ppo", "sft_continued")
+SANDBOX_BACKENDS = ("local", "ray")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+DEMO_DOMAINS = ("arithmetic", "stepwise_math", "program_synthesis")
+# Keys that were once config keys and are now something else: the error says where they went.
+_MOVED_KEYS = {
+    "distributed": "multi-process JAX starts from flags of rlpt.train: "
+    "--coordinator_address=HOST:PORT --num_processes=N --process_id=I, or --distributed",
+}
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line naming the full dotted path."""
+
+
+# -- checks ------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any) -> str:
+    """``-1`` for -1.0 (the flag parser turns ``=-1`` into a float), repr otherwise."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
+        return repr(int(value))
+    return repr(value)
+
+
+def _check(ok: bool, path: str, requirement: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{path} must be {requirement}, got {_fmt(value)}")
+
+
+def _at_least(path: str, value: float, low: float) -> None:
+    _check(value >= low, path, f">= {_fmt(low)}", value)
+
+
+def _positive(path: str, value: float) -> None:
+    _check(value > 0, path, "> 0", value)
+
+
+def _unit(path: str, value: float) -> None:
+    _check(0.0 <= value <= 1.0, path, "in [0, 1]", value)
+
+
+def _choice(path: str, value: str, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{path} must be one of {tuple(allowed)}, got {value!r}")
+
+
+def _existing_file(path: str, value: str) -> None:
+    if value and not os.path.isfile(value):
+        raise ConfigError(f"{path} {value!r} is not a file")
+
+
+def unknown_key_message(path: str, known: Sequence[str]) -> str:
+    """``unknown config key ppo.clip_lo; did you mean ppo.clip_low?`` (one line)."""
+    prefix, _, key = path.rpartition(".")
+    if not prefix and key in _MOVED_KEYS:
+        return f"unknown config key {path}: {_MOVED_KEYS[key]}"
+    match = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    where = f"{prefix}." if prefix else ""
+    if match:
+        return f"unknown config key {path}; did you mean {where}{match[0]}?"
+    section = f"of {prefix}" if prefix else "at the top level"
+    return f"unknown config key {path}; keys {section}: {', '.join(sorted(known))}"
+
+
+# -- sections of the post-training config ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRASection:
+    """``model.lora``: rank 0 trains full weights; rank > 0 trains adapters only."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("wq", "wk", "wv", "wo")
+    name: str = "policy"  # the adapter is saved as DIR/adapters/NAME
+
+    def __post_init__(self):
+        _at_least("model.lora.rank", self.rank, 0)
+        _positive("model.lora.alpha", self.alpha)
+        if not self.name or os.sep in self.name or self.name.startswith("."):
+            raise ConfigError(f"model.lora.name must be a plain directory name, got {self.name!r}")
+        from rlpt.models.lora import LORA_TARGETS
+
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        if bad or not self.targets:
+            raise ConfigError(
+                f"model.lora.targets must be a non-empty subset of {LORA_TARGETS}, "
+                f"got {self.targets}"
+            )
+
+    def lora_config(self):
+        """The ``rlpt.models.lora.LoRAConfig``, or None when ``rank`` is 0."""
+        if not self.rank:
+            return None
+        from rlpt.models.lora import LoRAConfig
+
+        return LoRAConfig(rank=self.rank, alpha=self.alpha, targets=self.targets)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    preset: str = "mini"
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig fields
+    lora: LoRASection = dataclasses.field(default_factory=LoRASection)
+    # A Hugging Face model directory (config.json, *.safetensors, tokenizer.json) to start
+    # from instead of the preset. None: not a Hugging Face run; "": required but not given.
+    hf_path: str | None = None
+
+    def __post_init__(self):
+        from rlpt.models.config import PRESETS, ModelConfig
+
+        _choice("model.preset", self.preset, sorted(PRESETS))
+        known = [f.name for f in dataclasses.fields(ModelConfig)]
+        for key in self.overrides:
+            if key not in known:
+                raise ConfigError(unknown_key_message(f"model.overrides.{key}", known))
+        try:
+            PRESETS[self.preset].replace(**self.overrides)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(_with_path("model.overrides", e)) from None
+        if self.hf_path is not None:
+            if not self.hf_path:
+                raise ConfigError(
+                    "model.hf_path is empty: set it to a Hugging Face model directory"
+                )
+            if not os.path.isdir(self.hf_path):
+                raise ConfigError(f"model.hf_path {self.hf_path!r} is not a directory")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxSection:
+    """The code-execution pool's ceilings (a request may ask for less, never more)."""
+
+    workers: int = 2
+    timeout_s: float = 1.0
+    memory_mb: int = 256
+    # True: run where the isolation features (namespaces) are missing, unisolated.
+    allow_unisolated: bool = False
+    backend: str = "local"  # "ray": workers on a Ray cluster
+
+    def __post_init__(self):
+        _at_least("sandbox.workers", self.workers, 1)
+        _positive("sandbox.timeout_s", self.timeout_s)
+        _at_least("sandbox.memory_mb", self.memory_mb, 1)
+        _choice("sandbox.backend", self.backend, SANDBOX_BACKENDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSection:
+    jsonl: str = ""  # a JSONL of {"prompt", "completion"} replaces the demonstrations
+    batch_size: int = 32
+    max_len: int = 64
+    learning_rate: float = 1e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    token_budget: int = 150_000  # completion tokens: the fixed warm-start rule
+    heldout_items: int = 64
+    log_every: int = 10
+    continued_wall_s: float = 0.0  # only the sft_continued control stage reads it
+    eval_every: int = 0  # > 0: held-out loss and greedy evaluation every this many steps
+
+    def __post_init__(self):
+        _existing_file("sft.jsonl", self.jsonl)
+        for name in ("batch_size", "max_len", "token_budget", "heldout_items", "log_every"):
+            _at_least(f"sft.{name}", getattr(self, name), 1)
+        _positive("sft.learning_rate", self.learning_rate)
+        for name in ("warmup_steps", "weight_decay", "continued_wall_s", "eval_every"):
+            _at_least(f"sft.{name}", getattr(self, name), 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    batch_size: int = 64  # sequences per PPO step
+    group_size: int = 8  # samples per prompt (GRPO groups)
+    max_new_tokens: int = 40
+    temperature: float = 1.4
+    buckets: tuple[int, ...] = (16, 32, 64)  # prompt lengths are padded to one of these
+    # DAPO's dynamic sampling: draw more prompt batches (at most filter_max_rounds per step)
+    # until every group in the update has rewards that vary.
+    filter_groups: bool = True
+    filter_max_rounds: int = 4
+
+    def __post_init__(self):
+        for name in ("batch_size", "group_size", "max_new_tokens", "filter_max_rounds"):
+            _at_least(f"rollout.{name}", getattr(self, name), 1)
+        if not self.temperature > 0:
+            raise ConfigError(f"rollout.temperature must be a number > 0, got {self.temperature!r}")
+        if self.batch_size % self.group_size:
+            raise ConfigError(
+                f"rollout.batch_size must be a multiple of rollout.group_size "
+                f"({self.group_size}), got {self.batch_size}"
+            )
+        if not self.buckets or any(b < 1 for b in self.buckets):
+            raise ConfigError(
+                f"rollout.buckets must be a non-empty tuple of positive lengths, got {self.buckets}"
+            )
+        if list(self.buckets) != sorted(set(self.buckets)):
+            raise ConfigError(f"rollout.buckets must be strictly increasing, got {self.buckets}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOSection(PPOConfig):
+    """``ppo``: a ``PPOConfig`` with the post-training defaults, usable as one directly.
+
+    ``total_steps`` (optimiser steps of the learning-rate schedule), ``num_groups`` and
+    ``sampling_temperature`` are filled in by ``PostTrainConfig`` from ``ppo_steps`` and
+    ``rollout`` when left None; fields not redeclared keep ``PPOConfig``'s defaults.
+    """
+
+    epochs: int = 2
+    num_minibatches: int = 2
+    estimator: str = "grpo"  # "gae" trains the value model (critic) as well
+    clip_high: float | None = 0.28
+    kl_placement: str = "loss"
+    learning_rate: float = 4e-4
+    value_learning_rate: float = 1e-4
+    schedule: str = "warmup_cosine"
+    warmup_steps: int = 10
+    total_steps: int | None = None  # None: ppo_steps * epochs * num_minibatches
+    end_lr_fraction: float = 0.0
+    pack_sequences: bool = True
+    imitation_coef: float = 0.25
+
+    def __post_init__(self):
+        _check(0.0 < self.clip_low < 1.0, "ppo.clip_low", "in (0, 1)", self.clip_low)
+        if self.clip_high is not None:
+            _positive("ppo.clip_high", self.clip_high)
+        if self.dual_clip is not None:
+            _check(self.dual_clip > 1.0, "ppo.dual_clip", "> 1 (or None)", self.dual_clip)
+        if self.value_clip is not None:
+            _positive("ppo.value_clip", self.value_clip)
+        _positive("ppo.learning_rate", self.learning_rate)
+        _positive("ppo.value_learning_rate", self.value_learning_rate)
+        _unit("ppo.gamma", self.gamma)
+        _unit("ppo.lam", self.lam)
+        _at_least("ppo.kl_coef", self.kl_coef, 0)
+        if self.kl_adaptive:
+            _positive("ppo.kl_target", self.kl_target)
+            _positive("ppo.kl_horizon", self.kl_horizon)
+        for name in ("epochs", "num_minibatches", "grad_accum"):
+            _at_least(f"ppo.{name}", getattr(self, name), 1)
+        _at_least("ppo.warmup_steps", self.warmup_steps, 0)
+        if self.num_groups is not None:
+            _at_least("ppo.num_groups", self.num_groups, 1)
+        _unit("ppo.end_lr_fraction", self.end_lr_fraction)
+        _positive("ppo.max_grad_norm", self.max_grad_norm)
+        for name in ("weight_decay", "vf_coef", "ent_coef", "imitation_coef", "overlong_penalty"):
+            _at_least(f"ppo.{name}", getattr(self, name), 0)
+        _positive("ppo.adaptive_lr_target", self.adaptive_lr_target)
+        low, high = self.adaptive_lr_bounds
+        if not 0 < low <= 1 <= high:
+            raise ConfigError(
+                f"ppo.adaptive_lr_bounds must be (low, high) with 0 < low <= 1 <= high, "
+                f"got {self.adaptive_lr_bounds}"
+            )
+        _check(self.adaptive_lr_factor > 1, "ppo.adaptive_lr_factor", "> 1",
+               self.adaptive_lr_factor)  # fmt: skip
+        _choice("ppo.kl_kind", self.kl_kind, KL_KINDS)
+        try:  # the choices (estimator, schedule, ...) and their combinations
+            super().__post_init__()
+        except ValueError as e:
+            raise ConfigError(_with_path("ppo", e)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardsSection:
+    outcome: float = 1.0  # the domain verifier's reward (code: hidden-test pass rate)
+    format: float = 0.1
+    length: float = 0.0
+    length_target_bytes: int = 64
+    length_scale_bytes: float = 100.0
+    # Learned rewards: weights > 0 need the 'rm' / 'prm' stage in stages.
+    reward_model: float = 0.0
+    process: float = 0.0
+    process_aggregation: str = "min"  # or "sum" over future steps
+    learned_clip: float = 5.0  # learned terms: running normalisation, then this clip
+
+    def __post_init__(self):
+        for name in ("outcome", "format", "length"):
+            value = getattr(self, name)
+            _check(math.isfinite(value), f"rewards.{name}", "a finite number", value)
+        _at_least("rewards.length_target_bytes", self.length_target_bytes, 0)
+        _positive("rewards.length_scale_bytes", self.length_scale_bytes)
+        _at_least("rewards.reward_model", self.reward_model, 0)
+        _at_least("rewards.process", self.process, 0)
+        _choice("rewards.process_aggregation", self.process_aggregation, ("min", "sum"))
+        _positive("rewards.learned_clip", self.learned_clip)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelSection:
+    """The 'rm' stage: Bradley-Terry on correctness pairs (and optionally a user's JSONL)."""
+
+    domains: tuple[str, ...] = ("arithmetic", "stepwise_math")
+    pairs_jsonl: str = ""  # {"prompt", "chosen", "rejected"} per line
+    pairs_per_level: int = 1500
+    heldout_pairs: int = 100  # per domain and level
+    steps: int = 400
+    batch_size: int = 64
+    learning_rate: float = 1e-3
+    warmup_steps: int = 50
+    margin: float = 0.0
+    likelihood: bool = True  # add the policy's log-likelihood of the row to the score
+    refresh_every: int = 0  # > 0: Bradley-Terry steps on fresh rollout pairs during PPO
+    refresh_steps: int = 4
+    refresh_batch_size: int = 16
+    refresh_buffer: int = 1024  # newest traces kept
+
+    def __post_init__(self):
+        _existing_file("reward_model.pairs_jsonl", self.pairs_jsonl)
+        for name in ("pairs_per_level", "heldout_pairs", "steps", "batch_size",
+                     "refresh_steps", "refresh_batch_size", "refresh_buffer"):  # fmt: skip
+            _at_least(f"reward_model.{name}", getattr(self, name), 1)
+        _positive("reward_model.learning_rate", self.learning_rate)
+        for name in ("warmup_steps", "margin", "refresh_every"):
+            _at_least(f"reward_model.{name}", getattr(self, name), 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessRewardSection:
+    """The 'prm' stage: Math-Shepherd labels from the policy's own continuations."""
+
+    domain: str = "stepwise_math"
+    label: str = "hard"  # "soft": the fraction of continuations that reach the answer
+    label_tasks: int = 192  # per level
+    continuations: int = 4
+    heldout_tasks: int = 150
+    steps: int = 400
+    batch_size: int = 64
+    learning_rate: float = 3e-5
+    warmup_steps: int = 50
+    likelihood: bool = True  # add each step's log-likelihood under the policy to its score
+
+    def __post_init__(self):
+        _choice("process_reward.label", self.label, ("soft", "hard"))
+        for name in ("label_tasks", "continuations", "heldout_tasks", "steps", "batch_size"):
+            _at_least(f"process_reward.{name}", getattr(self, name), 1)
+        _positive("process_reward.learning_rate", self.learning_rate)
+        _at_least("process_reward.warmup_steps", self.warmup_steps, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DifficultySection(DifficultyConfig):
+    """``curriculum.difficulty`` with the post-training defaults."""
+
+    upper: float = 0.7
+    lower: float = 0.1
+
+    def __post_init__(self):
+        _at_least("curriculum.difficulty.start", self.start, 1)
+        _at_least("curriculum.difficulty.window", self.window, 1)
+        if not 0.0 <= self.lower < self.upper <= 1.0:
+            raise ConfigError(
+                "curriculum.difficulty needs 0 <= lower < upper <= 1, got "
+                f"lower={_fmt(self.lower)}, upper={_fmt(self.upper)}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class CurriculumSection(CurriculumConfig):
+    """``curriculum``: a ``CurriculumConfig`` (``rlpt.data.Curriculum`` takes it as is)."""
+
+    temperature: float = 0.5
+    floor: float = 0.05
+    difficulty: DifficultySection = DifficultySection()
+
+    def __post_init__(self):
+        try:
+            super().__post_init__()
+        except ValueError as e:
+            raise ConfigError(_with_path("curriculum", e)) from None
+        for name in ("exploration", "progress_noise_z", "confidence_power", "size_power",
+                     "loss_weight_scale"):  # fmt: skip
+            _at_least(f"curriculum.{name}", getattr(self, name), 0)
+        _unit("curriculum.exp3_smoothing", self.exp3_smoothing)
+        if self.strategy == "fixed" and self.fixed_weights is None:
+            raise ConfigError("curriculum.fixed_weights must be set for strategy 'fixed'")
+        if self.strategy == "schedule" and not self.schedule:
+            raise ConfigError("curriculum.schedule must be set for strategy 'schedule'")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    heldout_items: int = 200
+    ood_items: int = 100
+    train_items: int = 0  # > 0: also score this many training-partition items per domain
+    n_samples: int = 4  # at temperature 1, for pass@k
+    k: int = 4
+    every: int = 40  # PPO steps between periodic held-out greedy evaluations; 0: never
+    periodic_items: int = 100
+    batch_size: int = 200
+    log_samples: int = 8
+    seed: int = 1234
+
+    def __post_init__(self):
+        for name in ("heldout_items", "ood_items", "train_items", "n_samples", "every",
+                     "periodic_items", "log_samples"):  # fmt: skip
+            _at_least(f"eval.{name}", getattr(self, name), 0)
+        _at_least("eval.batch_size", self.batch_size, 1)
+        # As rlpt.eval.check_sampling: pass@1 is the greedy score, so sampled k starts at 2.
+        if self.n_samples and self.k < 2:
+            raise ConfigError(
+                f"eval.k must be >= 2 when eval.n_samples > 0, got {_fmt(self.k)}: pass@1 is "
+                "the greedy score and the sampled pass@1 is reported as sample_pass@1"
+            )
+        if self.n_samples and self.n_samples < self.k:
+            raise ConfigError(f"eval.n_samples ({self.n_samples}) must be >= eval.k ({self.k})")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    every: int = 40
+    keep: int = 2
+    async_save: bool = True
+
+    def __post_init__(self):
+        _at_least("checkpoint.every", self.every, 1)
+        _at_least("checkpoint.keep", self.keep, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingSection:
+    """How the run reports; none of it changes what the run computes."""
+
+    tensorboard: bool = True  # event files in DIR/tensorboard
+    wandb_project: str = ""  # a Weights & Biases project, if wandb is installed
+    plots: bool = True  # learning-curve PNGs in DIR/plots at the end
+    progress_bar: bool | None = None  # None: only on a terminal
+    peak_flops: float | None = None  # per-device peak FLOP/s for time/mfu; None: measured
+
+    def __post_init__(self):
+        if self.peak_flops is not None:
+            _positive("logging.peak_flops", self.peak_flops)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileSection:
+    steps: tuple[int, ...] = ()  # global steps to trace with the JAX profiler
+    dir: str = ""  # default DIR/profile
+
+    def __post_init__(self):
+        for i, step in enumerate(self.steps):
+            _at_least(f"profile.steps[{i}]", step, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    """Device mesh sizes (``rlpt.parallel.make_mesh``); one of them may be -1: the rest."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, size in sizes.items():
+            _check(size == -1 or size >= 1, f"mesh.{name}", "a positive integer or -1", size)
+        free = [f"mesh.{name}" for name, size in sizes.items() if size == -1]
+        if len(free) > 1:
+            raise ConfigError(f"at most one mesh axis may be -1, got {' and '.join(free)}")
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) on ``num_devices``; ConfigError if they do not fit."""
+        from rlpt.parallel.mesh import resolve_mesh_shape
+
+        try:
+            return resolve_mesh_shape(num_devices, self.data, self.fsdp, self.tensor)
+        except ValueError as e:
+            raise ConfigError(_with_path("mesh", e)) from None
+
+
+def _default_domains() -> tuple[str, ...]:
+    return DEMO_DOMAINS
+
+
+@dataclasses.dataclass(frozen=True)
+class PostTrainConfig:
+    """The ``post_train`` trainer's config: SFT, optional reward models, then PPO.
+
+    After construction, ``ppo.total_steps``, ``ppo.num_groups`` and
+    ``ppo.sampling_temperature`` hold their derived values, so ``ppo`` binds
+    ``rlpt.rl.PPOTrainer`` as it is.
+    """
+
+    trainer: str = "post_train"
+    seed: int = 0
+    overwrite: bool = False  # True: replace a different run found in the workdir
+    stop_after_step: int | None = None  # stop (as if interrupted) after this global step
+    stages: tuple[str, ...] = ("sft", "ppo")
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    domains: tuple[str, ...] = dataclasses.field(default_factory=_default_domains)
+    # Highest level trained per domain ("default" for the rest); OOD is one level above.
+    train_max_level: dict[str, int] = dataclasses.field(default_factory=lambda: {"default": 2})
+    sandbox: SandboxSection = dataclasses.field(default_factory=SandboxSection)
+    sft: SFTSection = dataclasses.field(default_factory=SFTSection)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    ppo_steps: int = 420
+    ppo: PPOSection = dataclasses.field(default_factory=PPOSection)
+    rewards: RewardsSection = dataclasses.field(default_factory=RewardsSection)
+    reward_model: RewardModelSection = dataclasses.field(default_factory=RewardModelSection)
+    process_reward: ProcessRewardSection = dataclasses.field(default_factory=ProcessRewardSection)
+    curriculum: CurriculumSection = dataclasses.field(default_factory=CurriculumSection)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    logging: LoggingSection = dataclasses.field(default_factory=LoggingSection)
+    profile: ProfileSection = dataclasses.field(default_factory=ProfileSection)
+    mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
+
+    def __post_init__(self):
+        _choice("trainer", self.trainer, ("post_train",))
+        if self.stop_after_step is not None:
+            _at_least("stop_after_step", self.stop_after_step, 0)
+        self._check_stages()
+        self._check_domains()
+        _at_least("ppo_steps", self.ppo_steps, 0)
+        if self.ppo.total_steps is not None:  # after ppo_steps: it may be derived from it
+            _at_least("ppo.total_steps", self.ppo.total_steps, 0)
+        self._check_ppo_against_rollout()
+        self._check_learned_rewards()
+        k = len(self.domains)
+        if self.curriculum.floor * k > 1.0 + 1e-6:
+            raise ConfigError(
+                f"curriculum.floor must be <= 1 / {k} (the number of domains), "
+                f"got {_fmt(self.curriculum.floor)}"
+            )
+        for name in ("fixed_weights",):
+            weights = getattr(self.curriculum, name)
+            if weights is not None and set(weights) != set(self.domains):
+                raise ConfigError(
+                    f"curriculum.{name} must have one weight per domain {self.domains}, "
+                    f"got {sorted(weights)}"
+                )
+        # Derived values, filled in so the section is complete as it stands.
+        ppo = self.ppo
+        updates = {
+            "total_steps": self.derived_total_steps if ppo.total_steps is None else None,
+            "num_groups": self.rollout.batch_size // self.rollout.group_size
+            if ppo.num_groups is None
+            else None,
+            "sampling_temperature": float(self.rollout.temperature),
+        }
+        updates = {k: v for k, v in updates.items() if v is not None}
+        object.__setattr__(self, "ppo", dataclasses.replace(ppo, **updates))
+
+    @property
+    def derived_total_steps(self) -> int:
+        """Optimiser steps over the whole PPO stage: ``ppo_steps * epochs * num_minibatches``."""
+        return self.ppo_steps * self.ppo.epochs * self.ppo.num_minibatches
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data; ``parse_config`` of it gives an equal config."""
+        return _plain(self)
+
+    def _check_stages(self) -> None:
+        if not self.stages:
+            raise ConfigError(f"stages must name at least one of {STAGES}, got ()")
+        for i, stage in enumerate(self.stages):
+            _choice(f"stages[{i}]", stage, STAGES)
+        if len(set(self.stages)) != len(self.stages):
+            raise ConfigError(f"stages must not repeat a stage, got {self.stages}")
+        for stage in ("rm", "prm"):
+            ordered = stage not in self.stages or "ppo" not in self.stages
+            if not ordered and self.stages.index(stage) > self.stages.index("ppo"):
+                raise ConfigError(f"stages must put {stage!r} before 'ppo', got {self.stages}")
+
+    def _check_domains(self) -> None:
+        if not self.domains:
+            raise ConfigError("domains must name at least one domain, got ()")
+        if len(set(self.domains)) != len(self.domains):
+            raise ConfigError(f"domains must not repeat a domain, got {self.domains}")
+        for i, name in enumerate(self.domains):
+            check_domain_name(f"domains[{i}]", name)
+        for key, level in self.train_max_level.items():
+            if key != "default" and key not in self.domains:
+                raise ConfigError(
+                    f"train_max_level.{key} names no domain of domains {self.domains} "
+                    "(use 'default' for the rest)"
+                )
+            _at_least(f"train_max_level.{key}", level, 1)
+
+    def _check_ppo_against_rollout(self) -> None:
+        r, ppo = self.rollout, self.ppo
+        if ppo.estimator in GROUP_ESTIMATORS:
+            _check(r.group_size >= 2, "rollout.group_size",
+                   f">= 2 for ppo.estimator {ppo.estimator!r} (a group of one has no "
+                   "advantage)", r.group_size)  # fmt: skip
+        if r.filter_groups and ppo.uses_critic:
+            raise ConfigError(
+                "rollout.filter_groups must be False with ppo.estimator 'gae': only a group "
+                "estimator (grpo, dr_grpo, rloo) gives a group of equal rewards zero advantage"
+            )
+        if r.batch_size % ppo.num_minibatches:
+            raise ConfigError(
+                f"ppo.num_minibatches must divide rollout.batch_size ({r.batch_size}), "
+                f"got {ppo.num_minibatches}"
+            )
+        minibatch = r.batch_size // ppo.num_minibatches
+        if minibatch % ppo.grad_accum:
+            raise ConfigError(
+                f"ppo.grad_accum must divide the minibatch of {minibatch} sequences "
+                f"(rollout.batch_size / ppo.num_minibatches), got {ppo.grad_accum}"
+            )
+        groups = r.batch_size // r.group_size
+        if ppo.num_groups is not None and ppo.num_groups != groups:
+            raise ConfigError(
+                f"ppo.num_groups must be rollout.batch_size / rollout.group_size = {groups} "
+                f"(or None), got {ppo.num_groups}"
+            )
+        if ppo.sampling_temperature != PPOConfig.sampling_temperature and (
+            ppo.sampling_temperature != r.temperature
+        ):
+            raise ConfigError(
+                "ppo.sampling_temperature is taken from rollout.temperature "
+                f"({_fmt(r.temperature)}); set that instead, got {_fmt(ppo.sampling_temperature)}"
+            )
+
+    def _check_learned_rewards(self) -> None:
+        for weight, stage in (("reward_model", "rm"), ("process", "prm")):
+            value = getattr(self.rewards, weight)
+            if value > 0 and stage not in self.stages:
+                raise ConfigError(
+                    f"rewards.{weight} is {_fmt(value)} but stages {self.stages} has no "
+                    f"{stage!r} stage to train it"
+                )
+        if "prm" in self.stages and self.process_reward.domain not in self.domains:
+            raise ConfigError(
+                f"process_reward.domain must be one of domains {self.domains}, "
+                f"got {self.process_reward.domain!r}"
+            )
+        rm = self.reward_model
+        no_pairs = not rm.pairs_jsonl and not set(rm.domains) & set(self.domains)
+        if "rm" in self.stages and no_pairs:
+            raise ConfigError(
+                f"reward_model.domains {rm.domains} names none of domains {self.domains} "
+                "and reward_model.pairs_jsonl is empty: no pairs to train on"
+            )
+
+
+def check_domain_name(path: str, name: str) -> None:
+    """A registered domain, ``family/arg`` of a registered family, or ``pkg.module:attr``.
+
+    Import paths are checked for their form only: importing user code belongs to the run.
+    """
+    from rlpt.tasks import registered_domains
+
+    known = registered_domains()
+    if name in known:
+        return
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        if module and attr and all(p.isidentifier() for p in module.split(".") + attr.split(".")):
+            return
+        raise ConfigError(f"{path} must be an import path 'pkg.module:attr', got {name!r}")
+    family, sep, arg = name.partition("/")
+    if sep and family in known and arg:
+        return
+    match = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"did you mean {match[0]!r}? " if match else ""
+    raise ConfigError(
+        f"{path} names an unknown domain {name!r}; {hint}registered: {', '.join(known)} "
+        "(or an import path 'pkg.module:attr')"
+    )
+
+
+# -- the gymnasium PPO config ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GymConfig:
+    """The ``ppo_gym`` trainer's config (CleanRL's CartPole hyperparameters by default)."""
+
+    trainer: str = "ppo_gym"
+    seed: int = 0
+    env_id: str = "CartPole-v1"
+    num_envs: int = 8
+    num_steps: int = 128  # per env per rollout
+    total_env_steps: int = 500_000
+    hidden_size: int = 64
+    learning_rate: float = 2.5e-4
+    anneal_lr: bool = True
+    adam_eps: float = 1e-5
+    max_grad_norm: float = 0.5
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    num_epochs: int = 4
+    num_minibatches: int = 4
+    clip_eps: float = 0.2
+    value_clip_eps: float | None = None  # None: no value clipping
+    normalize_advantages: bool = True
+    reward_scale: float = 0.1  # keeps value targets O(1) so the tanh critic does not saturate
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    log_every: int = 10  # updates between metrics.jsonl lines
+    return_window: int = 20  # finished episodes averaged into train/episode_return
+    target_return: float = 475.0
+    eval_episodes: int = 16
+    eval_seed_offset: int = 10_000
+
+    def __post_init__(self):
+        _choice("trainer", self.trainer, ("ppo_gym",))
+        if not self.env_id:
+            raise ConfigError("env_id must name a gymnasium environment, got ''")
+        for name in ("num_envs", "num_steps", "hidden_size", "num_epochs", "num_minibatches",
+                     "log_every", "return_window"):  # fmt: skip
+            _at_least(name, getattr(self, name), 1)
+        for name in ("learning_rate", "adam_eps", "max_grad_norm", "reward_scale"):
+            _positive(name, getattr(self, name))
+        _unit("gamma", self.gamma)
+        _unit("gae_lambda", self.gae_lambda)
+        _check(0.0 < self.clip_eps < 1.0, "clip_eps", "in (0, 1)", self.clip_eps)
+        if self.value_clip_eps is not None:
+            _positive("value_clip_eps", self.value_clip_eps)
+        for name in ("ent_coef", "vf_coef", "eval_episodes"):
+            _at_least(name, getattr(self, name), 0)
+        rollout = self.num_envs * self.num_steps
+        if rollout % self.num_minibatches:
+            raise ConfigError(
+                f"num_minibatches must divide num_envs * num_steps ({rollout}), "
+                f"got {self.num_minibatches}"
+            )
+        _at_least("total_env_steps", self.total_env_steps, rollout)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+
+CONFIG_TYPES: dict[str, type] = {"post_train": PostTrainConfig, "ppo_gym": GymConfig}
+TypedConfig = PostTrainConfig | GymConfig
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+
+def parse_config(config: ml_collections.ConfigDict | Mapping[str, Any] | TypedConfig) -> Any:
+    """The typed config of ``config.trainer``, every value checked; raises ``ConfigError``.
+
+    Accepts an experiment's ConfigDict, a plain mapping (a run's stored ``config.json``) or
+    an already typed config (returned as it is).
+    """
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return config
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if "trainer" not in data:
+        raise ConfigError(f"trainer must be set, one of {tuple(CONFIG_TYPES)}")
+    trainer = data["trainer"]
+    if trainer not in CONFIG_TYPES:
+        raise ConfigError(f"trainer must be one of {tuple(CONFIG_TYPES)}, got {trainer!r}")
+    return _build(CONFIG_TYPES[trainer], data, "")
+
+
+def default_config(trainer: str) -> ml_collections.ConfigDict:
+    """The ConfigDict of every field of ``trainer``'s config at its default.
+
+    Experiment files start from it, so a field they do not set still exists (and can be
+    overridden on the command line) and the defaults are written once, in the dataclasses.
+    """
+    if trainer not in CONFIG_TYPES:
+        raise ConfigError(f"trainer must be one of {tuple(CONFIG_TYPES)}, got {trainer!r}")
+    config = _defaults_dict(CONFIG_TYPES[trainer])
+    if trainer == "post_train":
+        # The same rule as PostTrainConfig.derived_total_steps, as a lazy reference: code
+        # that reads the ConfigDict itself sees the derived value, and it follows
+        # ppo_steps, epochs and num_minibatches wherever they are set. Setting
+        # ppo.total_steps replaces it.
+        config.ppo.total_steps = (
+            config.get_ref("ppo_steps")
+            * config.ppo.get_ref("epochs")
+            * config.ppo.get_ref("num_minibatches")
+        )
+    return config
+
+
+def _defaults_dict(cls: type) -> ml_collections.ConfigDict:
+    hints = typing.get_type_hints(cls)
+    out = ml_collections.ConfigDict()
+    for f in dataclasses.fields(cls):
+        if f.name in _DERIVED_ONLY.get(cls, ()) + _ADDED_BY_EXPERIMENT.get(cls, ()):
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = f.default_factory()
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(default):
+            out[f.name] = _defaults_dict(type(default))
+        elif default is None:
+            out[f.name] = config_dict.placeholder(_placeholder_type(hint))
+        else:
+            out[f.name] = default
+    return out
+
+
+# Fields set only from other fields: not in the ConfigDict an experiment starts from.
+_DERIVED_ONLY: dict[type, tuple[str, ...]] = {PPOSection: ("sampling_temperature",)}
+# Fields an experiment adds when it uses them: the trainers read model.hf_path's presence
+# as "start from a Hugging Face checkpoint" (experiments/hf_post_train.py adds it).
+_ADDED_BY_EXPERIMENT: dict[type, tuple[str, ...]] = {ModelSection: ("hf_path",)}
+
+
+def _placeholder_type(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = typing.get_origin(args[0]) or args[0] if args else object
+    if base in (Mapping, dict):
+        return dict
+    return base if isinstance(base, type) else object
+
+
+def _with_path(section: str, error: Exception) -> str:
+    """A foreign check's message, prefixed with the section unless it names it already."""
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return message if message.startswith(f"{section}.") else f"{section}: {message}"
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a section, got {data!r}")
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in data:
+        if key not in names:
+            raise ConfigError(unknown_key_message(f"{prefix}{key}", names))
+    hints = typing.get_type_hints(cls)
+    kwargs = {
+        name: _coerce(f"{prefix}{name}", data[name], hints[name]) for name in names if name in data
+    }
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # a check of a library dataclass
+        raise ConfigError(_with_path(prefix.rstrip(".") or "config", e)) from None
+
+
+def _coerce(path: str, value: Any, hint: Any) -> Any:
+    """``value`` as type ``hint``, or a ConfigError naming ``path`` and the expected type."""
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _coerce(path, value, option)
+            except ConfigError as e:
+                errors.append(e)
+        if len(options) == 1:
+            raise errors[0]
+        raise ConfigError(f"{path} must be one of the types {options}, got {_fmt(value)}")
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, f"{path}.")
+    if hint is bool:
+        _check(isinstance(value, bool), path, "true or false", value)
+        return value
+    if hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        _check(ok, path, "an integer", value)
+        return value
+    if hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        _check(ok, path, "a number", value)
+        return float(value)
+    if hint is str:
+        _check(isinstance(value, str), path, "a string", value)
+        return value
+    if origin is tuple or origin in (Sequence, list):
+        _check(isinstance(value, list | tuple), path, "a tuple", value)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            _check(len(value) == len(args), path, f"a tuple of {len(args)}", value)
+            return tuple(_coerce(f"{path}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        return tuple(_coerce(f"{path}[{i}]", v, item) for i, v in enumerate(value))
+    if origin in (dict, Mapping) or hint in (dict, Mapping):
+        _check(isinstance(value, Mapping), path, "a mapping", value)
+        item = args[1] if len(args) == 2 else Any
+        return {str(k): _coerce(f"{path}.{k}", v, item) for k, v in value.items()}
+    return value
+
+
+def _plain(obj: Any) -> Any:
+    """Dataclasses to dicts and tuples to lists, as ``json`` writes and reads them back."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+__all__ = [
+    "CONFIG_TYPES",
+    "STAGES",
+    "CheckpointSection",
+    "ConfigError",
+    "CurriculumSection",
+    "DifficultySection",
+    "EvalSection",
+    "GymConfig",
+    "LoRASection",
+    "LoggingSection",
+    "MeshSection",
+    "ModelSection",
+    "PPOSection",
+    "PostTrainConfig",
+    "ProcessRewardSection",
+    "ProfileSection",
+    "RewardModelSection",
+    "RewardsSection",
+    "RolloutSection",
+    "SFTSection",
+    "SandboxSection",
+    "default_config",
+    "parse_config",
+    "unknown_key_message",
+]
