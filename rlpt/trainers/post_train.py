@@ -425,10 +425,10 @@ class PostTrainRun:
             levels=self.levels, examples=examples, seed=config.seed,
         )  # fmt: skip
         self.sft_steps = sft_lib.steps_for_budget(self.sft_stream, s.token_budget)
-        self.sft_tx = sft_lib.make_optimizer(s.learning_rate, s.warmup_steps, s.weight_decay)
-        self.sft_train, self.sft_eval_loss = sft_lib.make_step_fns(
-            self.policy_graph, self.sft_tx, frozen=self.base_params
-        )
+        self.sft_trainer = sft_lib.sft_trainer(
+            sft_lib.train_config(s.learning_rate, s.warmup_steps, s.weight_decay),
+            self.policy_graph, frozen=self.base_params,
+        )  # fmt: skip
         heldout_pairs = [
             (t.prompt, self.domains[t.domain].demonstration(t))
             for tasks in self.eval_sets["heldout"].values()
@@ -466,7 +466,7 @@ class PostTrainRun:
             "sft_position": 0, "counters": {"sandbox_failures": 0, "nonfinite_rewards": 0},
             "eval": {}, "elapsed_s": 0.0,
         }  # fmt: skip
-        self.state: Any = None  # SFTState or rl.TrainState
+        self.state: Any = None  # SupervisedState (SFT) or rl.TrainState (PPO)
         self.ref_params: Any = None
 
     # -- workdir: refuse a different run, resume the same one -------------------------------
@@ -561,7 +561,7 @@ class PostTrainRun:
         return self._elapsed_before + (time.perf_counter() - self.start_time)
 
     def _sft_state_template(self):
-        return sft_lib.init_sft_state(self.init_params, self.sft_tx)
+        return self.sft_trainer.init(self.init_params)
 
     def _ppo_state_template(self):
         value = None
@@ -695,7 +695,7 @@ class PostTrainRun:
         self.meta["stage_done"] = False
         self.meta["stage_elapsed_s"] = 0.0
         if stage == "sft" and self.state is None:
-            self.state = sft_lib.init_sft_state(self.init_params, self.sft_tx)
+            self.state = self.sft_trainer.init(self.init_params)
         elif stage == "ppo":
             # After SFT (and any rm/prm stage) the state is still SFT's; a run without
             # SFT starts from the initial (or Hugging Face) weights.
@@ -729,6 +729,12 @@ class PostTrainRun:
     def _trained_params(self):
         return self.state.params if hasattr(self.state, "params") else self.state.policy
 
+    def _sft_heldout_loss(self):
+        tokens, loss_mask = self.sft_heldout
+        return self.sft_trainer.evaluate(
+            self.state.params, {"tokens": tokens, "loss_mask": loss_mask}
+        )["loss"]
+
     def _sft(self, stop: int | None, total: int | None) -> bool:
         """SFT for ``total`` steps (``None``: for ``sft.continued_wall_s`` seconds).
 
@@ -755,7 +761,7 @@ class PostTrainRun:
             window_steps += 1
             window_tokens += n_tokens
             self.profiler.start(self.meta["step"] + 1)
-            self.state, m = self.sft_train(self.state, (jnp.asarray(tokens), jnp.asarray(mask)))
+            self.state, m = self.sft_trainer.step(self.state, {"tokens": tokens, "loss_mask": mask})
             self.profiler.stop(self.meta["step"] + 1, m)
             self.meta["step"] += 1
             self.meta["stage_step"] += 1
@@ -769,9 +775,7 @@ class PostTrainRun:
             if last or self.meta["stage_step"] % c.log_every == 0:
                 m = jax.device_get(m)
                 metrics.update({f"sft/{k}": v for k, v in m.items()})
-                metrics["sft/lr"] = sft_lib.lr_at(
-                    int(self.state.step) - 1, c.learning_rate, c.warmup_steps
-                )
+                metrics["sft/lr"] = self.sft_trainer.learning_rate_at(int(self.state.step) - 1)
                 metrics["sft/examples"] = self.sft_stream.position
                 # Steps are dispatched asynchronously: only a window's average is meaningful.
                 now = time.perf_counter()
@@ -780,15 +784,11 @@ class PostTrainRun:
                 window, window_steps, window_tokens = now, 0, 0
             if last:
                 self.meta["stage_done"] = True
-                metrics["sft/heldout_loss"] = self.sft_eval_loss(
-                    self.state.params, *map(jnp.asarray, self.sft_heldout)
-                )
+                metrics["sft/heldout_loss"] = self._sft_heldout_loss()
                 metrics.update(self._full_eval("final" if continued else "sft"))
             elif c.get("eval_every", 0) and self.meta["stage_step"] % c.eval_every == 0:
                 # The held-out learning curve of supervised training, comparable with RL's.
-                metrics["sft/heldout_loss"] = self.sft_eval_loss(
-                    self.state.params, *map(jnp.asarray, self.sft_heldout)
-                )
+                metrics["sft/heldout_loss"] = self._sft_heldout_loss()
                 metrics.update(self._periodic_eval())
             if metrics:
                 self._write(step, metrics, "sft")
@@ -1179,9 +1179,10 @@ def restore_policy(workdir: str) -> RestoredPolicy:
             raise FileNotFoundError(f"no checkpoint in {workdir}")
         meta = ckpt.read_meta(step)
         if "sft" in meta["items"]:
-            tx = sft_lib.make_optimizer(config.sft.learning_rate, config.sft.warmup_steps,
-                                        config.sft.weight_decay)  # fmt: skip
-            items, _ = ckpt.restore(step, {"sft": sft_lib.init_sft_state(params, tx)}, only=True)
+            sft_cfg = sft_lib.train_config(config.sft.learning_rate, config.sft.warmup_steps,
+                                           config.sft.weight_decay)  # fmt: skip
+            template = sft_lib.sft_trainer(sft_cfg, graph).init(params)
+            items, _ = ckpt.restore(step, {"sft": template}, only=True)
             policy = items["sft"].params
         else:
             cfg = ppo_config(config)
