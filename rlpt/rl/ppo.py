@@ -41,6 +41,7 @@ from rlpt.parallel.sharding import (
 )
 from rlpt.rl.advantages import (
     grpo_advantages,
+    last_token_mask,
     process_group_advantages,
     rloo_advantages,
     sequence_to_tokens,
@@ -316,7 +317,7 @@ def compute_advantages(cfg: PPOConfig, kl: KLControllerState, batch: RolloutBatc
     rewards = batch.rewards
     loss_weight = batch.loss_weight
     if cfg.overlong == "penalty":
-        last = _last_token_one_hot(mask)
+        last = last_token_mask(mask)
         rewards = rewards - cfg.overlong_penalty * batch.truncated[:, None] * last
     elif cfg.overlong == "mask":
         loss_weight = loss_weight * (1.0 - batch.truncated.astype(jnp.float32))
@@ -332,7 +333,7 @@ def compute_advantages(cfg: PPOConfig, kl: KLControllerState, batch: RolloutBatc
         advantages, returns = gae(rewards, batch.values, mask, gamma=cfg.gamma, lam=cfg.lam)
     elif cfg.step_advantages:
         valid = (loss_weight > 0).astype(jnp.float32)
-        positions = jnp.maximum(batch.step_mask * mask, _last_token_one_hot(mask))  # [B, T]
+        positions = jnp.maximum(batch.step_mask * mask, last_token_mask(mask))  # [B, T]
         advantages = process_group_advantages(
             rewards, positions, mask, batch.group_id, num_groups=cfg.num_groups or batch.batch_size,
             scale_by_std=cfg.estimator == "grpo", valid=valid,
@@ -358,12 +359,6 @@ def compute_advantages(cfg: PPOConfig, kl: KLControllerState, batch: RolloutBatc
         rewards=rewards, advantages=advantages, returns=returns, loss_weight=loss_weight,
         response_mask=kept_mask,
     )  # fmt: skip
-
-
-def _last_token_one_hot(mask: jax.Array) -> jax.Array:
-    t = mask.shape[1]
-    last = jnp.maximum(jnp.sum(mask, axis=1).astype(jnp.int32) - 1, 0)
-    return jax.nn.one_hot(last, t) * (jnp.sum(mask, axis=1) > 0)[:, None]
 
 
 def _normaliser(mask: jax.Array, mode: str) -> jax.Array:

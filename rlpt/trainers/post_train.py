@@ -74,7 +74,7 @@ from rlpt.metrics import (
     to_json_value,
 )
 from rlpt.models import CausalLM, ValueModel, create_model, get_preset
-from rlpt.rl import PPOConfig, PPOTrainer, init_train_state, new_rollout_batch
+from rlpt.rl import PPOConfig, PPOTrainer, group_varies, init_train_state, new_rollout_batch
 from rlpt.sampling import DEFAULT_BUCKETS, Sampler, SamplingParams
 from rlpt.tasks import CompositeReward, Domain, LengthPenalty, get_domain
 from rlpt.tokenizers import ByteTokenizer, Tokenizer
@@ -283,19 +283,6 @@ def check_rollout_config(config: ml_collections.ConfigDict, ppo_cfg: PPOConfig) 
             )
         if int(r.get("filter_max_rounds", 1)) < 1:
             raise ValueError(f"rollout.filter_max_rounds must be >= 1, got {r.filter_max_rounds}")
-
-
-def group_varies(rewards: np.ndarray, valid: np.ndarray, group_size: int) -> np.ndarray:
-    """``[B / group_size]`` bool: do a group's valid rewards differ at all?
-
-    ``rewards`` and ``valid`` are ``[B]`` with each group in consecutive rows. A group
-    with fewer than two valid samples does not vary.
-    """
-    r = np.asarray(rewards, np.float64).reshape(-1, group_size)  # [G, group_size]
-    ok = np.asarray(valid).reshape(-1, group_size) > 0
-    high = np.where(ok, r, -np.inf).max(axis=1)
-    low = np.where(ok, r, np.inf).min(axis=1)
-    return (ok.sum(axis=1) > 1) & (high > low)
 
 
 @dataclasses.dataclass
@@ -944,7 +931,11 @@ class PostTrainRun:
             verify_s += time.perf_counter() - t1
             generate_s += t1 - t0
             first = sum(len(p.ids) for p in parts) // group_size
-            for g, varies in enumerate(group_varies(rewards, valid, group_size), start=first):
+            varied = group_varies(
+                rewards, np.arange(len(rewards)) // group_size,
+                num_groups=len(rewards) // group_size, valid=valid,
+            )  # fmt: skip
+            for g, varies in enumerate(varied, start=first):
                 (informative if varies else uniform).append(g)
             parts.append(_Samples(
                 ids=ids, tasks=list(pb.tasks), names=names, texts=texts, results=results,
@@ -1284,7 +1275,6 @@ __all__ = [
     "PostTrainRun",
     "RUN_CONTROL_FIELDS",
     "check_rollout_config",
-    "group_varies",
     "build_policy",
     "evaluate_checkpoint",
     "evaluate_policy",

@@ -290,16 +290,6 @@ def test_eval_overrides_redraw_items_without_touching_the_run(reference_run, mon
         post_train.evaluate_checkpoint(workdir, eval_overrides={"n_samples": 2, "k": 1})
 
 
-def test_group_varies_by_hand():
-    # Groups of 3: mixed; all equal; equal once the invalid sample is ignored;
-    # one valid sample only; partial rewards that differ.
-    rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0.5, 0.25, 0.5], np.float32)
-    valid = np.array([1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1], np.float32)
-    assert post_train.group_varies(rewards, valid, 3).tolist() == [
-        True, False, False, False, True
-    ]  # fmt: skip
-
-
 def test_group_filtering_needs_a_group_estimator(tmp_path):
     config = _demo_config(**{"rollout.filter_groups": True, "ppo.estimator": "gae"})
     with pytest.raises(ValueError, match="rollout.filter_groups.*'gae'"):
