@@ -55,3 +55,11 @@ def make_mesh(
     if devices == list(jax.devices()):
         return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def mesh_from_config(mesh_config) -> Mesh:
+    """A mesh from a config with fields ``data``, ``fsdp``, ``tensor`` (any may be absent)."""
+    get = (
+        mesh_config.get if hasattr(mesh_config, "get") else lambda k, d: getattr(mesh_config, k, d)
+    )
+    return make_mesh(data=get("data", -1), fsdp=get("fsdp", 1), tensor=get("tensor", 1))
