@@ -178,9 +178,11 @@ def restore_policy(workdir: str) -> RestoredPolicy:
 
     def targets(meta):
         if "sft" in meta["items"]:
-            tx = sft_lib.make_optimizer(config.sft.learning_rate, config.sft.warmup_steps,
-                                        config.sft.weight_decay)  # fmt: skip
-            return {"sft": sft_lib.init_sft_state(params, tx)}
+            s = config.sft
+            trainer = sft_lib.sft_trainer(
+                sft_lib.train_config(s.learning_rate, s.warmup_steps, s.weight_decay), graph
+            )
+            return {"sft": trainer.init(params)}
         cfg = ppo_config(config)
         value = None
         if cfg.uses_critic:

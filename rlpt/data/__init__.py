@@ -9,7 +9,6 @@ from rlpt.data.curriculum import (
     DifficultyConfig,
     Feedback,
     check_distribution,
-    informative_groups,
     make_curriculum,
 )
 from rlpt.data.loader import CurriculumLoader, PromptBatch
@@ -46,7 +45,6 @@ __all__ = [
     "PromptBatch",
     "TFDSSource",
     "check_distribution",
-    "informative_groups",
     "make_curriculum",
     "make_source",
     "materialize_domain",

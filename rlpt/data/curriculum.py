@@ -171,27 +171,6 @@ def check_distribution(weights: Mapping[str, float], names: Sequence[str], what:
     return out
 
 
-def informative_groups(rewards: Any, group_id: Any) -> np.ndarray:
-    """Rows whose prompt group has at least two distinct rewards: bool [B].
-
-    A group whose sampled rewards are all equal has zero group-relative
-    advantage and carries no policy gradient (DAPO's dynamic sampling drops it).
-    """
-    rewards = np.asarray(rewards, np.float64)
-    group_id = np.asarray(group_id)
-    if rewards.shape != group_id.shape or rewards.ndim != 1:
-        raise ValueError(
-            f"rewards and group_id must both be [B], got {rewards.shape} and {group_id.shape}"
-        )
-    _, inverse = np.unique(group_id, return_inverse=True)
-    n = inverse.max() + 1 if inverse.size else 0
-    lo = np.full(n, np.inf)
-    hi = np.full(n, -np.inf)
-    np.minimum.at(lo, inverse, rewards)
-    np.maximum.at(hi, inverse, rewards)
-    return (hi > lo)[inverse]
-
-
 class Curriculum:
     """Per-domain sampling weights, difficulty levels and loss weights.
 

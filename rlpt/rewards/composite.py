@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from rlpt.rl.advantages import last_token_mask
+
 PROCESS_AGGREGATIONS = ("sum", "min")
 SEQUENCE_TERMS = ("outcome", "reward_model", "format", "length", "safety")
 
@@ -129,13 +131,6 @@ def guard_non_finite(values: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax
     bad = ~jnp.isfinite(values)
     count = jnp.sum(bad & (mask > 0)).astype(jnp.float32)
     return jnp.where(bad, 0.0, values), count
-
-
-def last_token_mask(response_mask: jax.Array) -> jax.Array:
-    """One-hot of each row's last real response token [B, T] (all zero for empty rows)."""
-    t = response_mask.shape[1]
-    lengths = jnp.sum(response_mask > 0, axis=1)
-    return jax.nn.one_hot(jnp.maximum(lengths - 1, 0), t) * (lengths > 0)[:, None]
 
 
 def aggregate_process_rewards(

@@ -36,13 +36,13 @@ from rlpt.rewards.train import (
     prm_trainer,
     rm_trainer,
     sequence_scores,
-    sft_trainer,
     step_logits,
     with_trunk,
 )
 from rlpt.sampling import Sampler, SamplingParams
 from rlpt.tasks.base import Task, extract_answer
 from rlpt.tokenizers import ByteTokenizer, decode_response
+from rlpt.trainers.sft import sft_trainer
 
 log = logging.getLogger(__name__)
 

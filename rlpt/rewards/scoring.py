@@ -18,8 +18,8 @@ from flax import nnx
 
 from rlpt.rewards.preferences import SkipCounts, Trace, encode_pairs, pairs_from_traces
 from rlpt.rewards.process import separator_mask
-from rlpt.rewards.train import ModelTrainState, Trainer
 from rlpt.rl.batch import RolloutBatch
+from rlpt.trainers.supervised import SupervisedState, SupervisedTrainer
 
 
 def rollout_rm_scores(graphdef, params, batch: RolloutBatch) -> jax.Array:
@@ -59,7 +59,7 @@ class RewardModelRefresher:
     of ``batch_size`` pairs padded to ``pad_to`` tokens (fixed shapes: one compile).
     """
 
-    trainer: Trainer
+    trainer: SupervisedTrainer
     tokenizer: Any
     max_len: int
     every: int = 10
@@ -75,8 +75,8 @@ class RewardModelRefresher:
         del self.traces[: max(0, len(self.traces) - self.buffer_size)]
 
     def maybe_refresh(
-        self, step: int, state: ModelTrainState, key: jax.Array
-    ) -> tuple[ModelTrainState, dict[str, float]]:
+        self, step: int, state: SupervisedState, key: jax.Array
+    ) -> tuple[SupervisedState, dict[str, float]]:
         if step == 0 or step % self.every:
             return state, {}
         return refresh_reward_model(
@@ -87,8 +87,8 @@ class RewardModelRefresher:
 
 
 def refresh_reward_model(
-    trainer: Trainer,
-    state: ModelTrainState,
+    trainer: SupervisedTrainer,
+    state: SupervisedState,
     traces: Sequence[Trace],
     tokenizer: Any,
     key: jax.Array,
@@ -98,7 +98,7 @@ def refresh_reward_model(
     batch_size: int = 16,
     min_pairs: int = 4,
     pad_to: int | None = None,
-) -> tuple[ModelTrainState, dict[str, float]]:
+) -> tuple[SupervisedState, dict[str, float]]:
     """A few Bradley-Terry steps on pairs built from ``traces``; no-op below ``min_pairs``.
 
     Returns the new state and ``rm/refresh_*`` metrics (pairs used, skipped, loss, accuracy).

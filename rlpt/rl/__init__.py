@@ -1,7 +1,9 @@
 """Pure RL maths over response tokens: GAE, critic-free advantages, losses, KL."""
 
 from rlpt.rl.advantages import (
+    group_varies,
     grpo_advantages,
+    last_token_mask,
     process_group_advantages,
     rloo_advantages,
     sequence_to_tokens,
@@ -41,6 +43,8 @@ from rlpt.rl.ppo import (
 )
 
 __all__ = [
+    "group_varies",
+    "last_token_mask",
     "PPOConfig",
     "PPOTrainer",
     "RolloutBatch",

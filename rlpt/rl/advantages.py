@@ -15,6 +15,9 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from rlpt.models.heads import last_token_index
 
 
 def _check_group_args(
@@ -181,3 +184,41 @@ def sequence_to_tokens(seq_values: jax.Array, mask: jax.Array) -> jax.Array:
         [seq_values, mask], 1, custom_message="sequence_to_tokens: batch sizes differ"
     )
     return seq_values.astype(jnp.float32)[:, None] * mask.astype(jnp.float32)  # [B, T]
+
+
+def group_varies(
+    rewards: np.ndarray, group_ids: np.ndarray, *, num_groups: int, valid: np.ndarray | None = None
+) -> np.ndarray:
+    """`[G]` bool: do a group's valid rewards differ at all?
+
+    A group whose rewards are all equal has zero group-relative advantage and carries no
+    policy gradient (DAPO's dynamic sampling, Yu et al. 2025, drops it); so does a group
+    with fewer than two valid samples. Host-side numpy: choosing which groups to keep
+    changes the batch's shape, which happens before anything is jitted.
+
+    Args:
+      rewards: `[B]` sequence rewards.
+      group_ids: `[B]` int in [0, num_groups).
+      num_groups: G.
+      valid: `[B]` (1 keep, 0 exclude), default all valid.
+    """
+    rewards = np.asarray(rewards, np.float64)
+    group_ids = np.asarray(group_ids)
+    if rewards.ndim != 1 or rewards.shape != group_ids.shape:
+        raise ValueError(
+            f"rewards and group_ids must both be [B], got {rewards.shape} and {group_ids.shape}"
+        )
+    ok = np.ones(rewards.shape, bool) if valid is None else np.asarray(valid) > 0
+    high = np.full(num_groups, -np.inf)
+    low = np.full(num_groups, np.inf)
+    np.maximum.at(high, group_ids[ok], rewards[ok])
+    np.minimum.at(low, group_ids[ok], rewards[ok])
+    return high > low
+
+
+def last_token_mask(mask: jax.Array) -> jax.Array:
+    """One-hot `[B, T]` float32 of each row's last real token (all zero for an empty row):
+    where a sequence-level reward or penalty sits."""
+    chex.assert_rank(mask, 2, custom_message="last_token_mask: `mask` must be [B, T]")
+    nonempty = jnp.any(mask > 0, axis=1)
+    return jax.nn.one_hot(last_token_index(mask > 0), mask.shape[1]) * nonempty[:, None]

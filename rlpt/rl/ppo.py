@@ -26,6 +26,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
+from rlpt.optim import make_optimizer, make_schedule
 from rlpt.parallel.multihost import to_device, to_host
 from rlpt.parallel.sharding import (
     DEFAULT_RULES,
@@ -40,6 +41,7 @@ from rlpt.parallel.sharding import (
 )
 from rlpt.rl.advantages import (
     grpo_advantages,
+    last_token_mask,
     process_group_advantages,
     rloo_advantages,
     sequence_to_tokens,
@@ -176,25 +178,30 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def learning_rate_schedule(cfg: PPOConfig, peak: float) -> optax.Schedule:
-    """Warmup then cosine or linear decay to ``end_lr_fraction * peak``, or constant."""
+    """Warmup then cosine or linear decay to ``end_lr_fraction * peak``, or constant.
+
+    A decaying schedule always warms up for at least one step (from 0), and the linear
+    decay lasts ``total_steps - warmup_steps`` steps after it.
+    """
     if cfg.schedule == "constant":
-        return optax.constant_schedule(peak)
-    end = peak * cfg.end_lr_fraction
+        return make_schedule(peak)
+    warmup = max(cfg.warmup_steps, 1)
     if cfg.schedule == "warmup_cosine":
-        return optax.warmup_cosine_decay_schedule(
-            0.0, peak, max(cfg.warmup_steps, 1), max(cfg.total_steps, cfg.warmup_steps + 1), end
-        )
-    warmup = optax.linear_schedule(0.0, peak, max(cfg.warmup_steps, 1))
-    decay = optax.linear_schedule(peak, end, max(cfg.total_steps - cfg.warmup_steps, 1))
-    return optax.join_schedules([warmup, decay], [max(cfg.warmup_steps, 1)])
-
-
-def make_optimizer(cfg: PPOConfig, peak: float) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW following the schedule (the sign is applied here)."""
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.max_grad_norm),
-        optax.adamw(learning_rate_schedule(cfg, peak), weight_decay=cfg.weight_decay),
+        total = max(cfg.total_steps, cfg.warmup_steps + 1)
+        decay = "cosine"
+    else:
+        total = warmup + max(cfg.total_steps - cfg.warmup_steps, 1)
+        decay = "linear"
+    return make_schedule(
+        peak, decay, warmup_steps=warmup, total_steps=total, end_fraction=cfg.end_lr_fraction
     )
+
+
+def _optimizer(cfg: PPOConfig, peak: float) -> optax.GradientTransformation:
+    return make_optimizer(
+        learning_rate_schedule(cfg, peak), max_grad_norm=cfg.max_grad_norm,
+        weight_decay=cfg.weight_decay,
+    )  # fmt: skip
 
 
 @struct.dataclass
@@ -219,12 +226,12 @@ def init_train_state(cfg: PPOConfig, policy_params, value_params, key: jax.Array
         value_params = None
     value_opt = None
     if value_params is not None:
-        value_opt = make_optimizer(cfg, cfg.value_learning_rate).init(value_params)
+        value_opt = _optimizer(cfg, cfg.value_learning_rate).init(value_params)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         policy=policy_params,
         value=value_params,
-        policy_opt=make_optimizer(cfg, cfg.learning_rate).init(policy_params),
+        policy_opt=_optimizer(cfg, cfg.learning_rate).init(policy_params),
         value_opt=value_opt,
         kl=init_kl_controller(cfg.kl_coef),
         lr_scale=jnp.ones((), jnp.float32),
@@ -310,7 +317,7 @@ def compute_advantages(cfg: PPOConfig, kl: KLControllerState, batch: RolloutBatc
     rewards = batch.rewards
     loss_weight = batch.loss_weight
     if cfg.overlong == "penalty":
-        last = _last_token_one_hot(mask)
+        last = last_token_mask(mask)
         rewards = rewards - cfg.overlong_penalty * batch.truncated[:, None] * last
     elif cfg.overlong == "mask":
         loss_weight = loss_weight * (1.0 - batch.truncated.astype(jnp.float32))
@@ -326,7 +333,7 @@ def compute_advantages(cfg: PPOConfig, kl: KLControllerState, batch: RolloutBatc
         advantages, returns = gae(rewards, batch.values, mask, gamma=cfg.gamma, lam=cfg.lam)
     elif cfg.step_advantages:
         valid = (loss_weight > 0).astype(jnp.float32)
-        positions = jnp.maximum(batch.step_mask * mask, _last_token_one_hot(mask))  # [B, T]
+        positions = jnp.maximum(batch.step_mask * mask, last_token_mask(mask))  # [B, T]
         advantages = process_group_advantages(
             rewards, positions, mask, batch.group_id, num_groups=cfg.num_groups or batch.batch_size,
             scale_by_std=cfg.estimator == "grpo", valid=valid,
@@ -352,12 +359,6 @@ def compute_advantages(cfg: PPOConfig, kl: KLControllerState, batch: RolloutBatc
         rewards=rewards, advantages=advantages, returns=returns, loss_weight=loss_weight,
         response_mask=kept_mask,
     )  # fmt: skip
-
-
-def _last_token_one_hot(mask: jax.Array) -> jax.Array:
-    t = mask.shape[1]
-    last = jnp.maximum(jnp.sum(mask, axis=1).astype(jnp.int32) - 1, 0)
-    return jax.nn.one_hot(last, t) * (jnp.sum(mask, axis=1) > 0)[:, None]
 
 
 def _normaliser(mask: jax.Array, mode: str) -> jax.Array:
@@ -513,8 +514,8 @@ def _ppo_update(
     plan: UpdatePlan | None = None,
 ):  # fmt: skip
     batch_size = batch.batch_size
-    policy_tx = make_optimizer(cfg, cfg.learning_rate)
-    value_tx = make_optimizer(cfg, cfg.value_learning_rate) if state.value is not None else None
+    policy_tx = _optimizer(cfg, cfg.learning_rate)
+    value_tx = _optimizer(cfg, cfg.value_learning_rate) if state.value is not None else None
     key, _ = jax.random.split(state.key)
     kl_coef = state.kl.coef
 

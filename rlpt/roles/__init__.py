@@ -10,7 +10,7 @@ trainer (``rlpt.trainers.post_train``) wires them together; none of them imports
 """
 
 from rlpt.roles.learner import PPOLearner
-from rlpt.roles.reward import COUNTERS, RewardRole, group_varies, make_rule_reward
+from rlpt.roles.reward import COUNTERS, RewardRole, make_rule_reward
 from rlpt.roles.rollout import RolloutWorker, Trajectories, Verdicts
 
 __all__ = [
@@ -20,6 +20,5 @@ __all__ = [
     "RolloutWorker",
     "Trajectories",
     "Verdicts",
-    "group_varies",
     "make_rule_reward",
 ]

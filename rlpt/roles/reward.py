@@ -85,16 +85,3 @@ class RewardRole:
             return batch, {}, None
         v = traj.verdicts
         return self.learned.apply(batch, traj.names, v.success, v.valid)
-
-
-def group_varies(rewards: np.ndarray, valid: np.ndarray, group_size: int) -> np.ndarray:
-    """``[B / group_size]`` bool: do a group's valid rewards differ at all?
-
-    ``rewards`` and ``valid`` are ``[B]`` with each group in consecutive rows. A group
-    with fewer than two valid samples does not vary.
-    """
-    r = np.asarray(rewards, np.float64).reshape(-1, group_size)  # [G, group_size]
-    ok = np.asarray(valid).reshape(-1, group_size) > 0
-    high = np.where(ok, r, -np.inf).max(axis=1)
-    low = np.where(ok, r, np.inf).min(axis=1)
-    return (ok.sum(axis=1) > 1) & (high > low)

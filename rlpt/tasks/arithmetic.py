@@ -32,8 +32,6 @@ _LEVELS = {
     7: _Level(6, 3, "+-*", True),
 }
 
-_PREC = {"+": 1, "-": 1, "*": 2}
-
 
 def _apply(op: str, a: int, b: int) -> int:
     return a + b if op == "+" else a - b if op == "-" else a * b

@@ -217,6 +217,7 @@ class PostTrainRun:
             s, stream, init_params=self.init_params, base_params=self.base_params,
             policy_graph=self.policy_graph, evaluation=self.evaluation,
             heldout=sft_lib.heldout_batch(self.tokenizer, heldout_pairs, s.max_len),
+            mesh=self.mesh,
         )  # fmt: skip
 
         # RL: the learner, the curriculum loader and the rollout worker.

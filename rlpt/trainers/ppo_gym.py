@@ -50,6 +50,7 @@ from flax import nnx
 
 from rlpt import rl
 from rlpt.metrics import MetricWriter, to_json_value
+from rlpt.optim import make_optimizer, make_schedule
 
 
 class ActorCritic(nnx.Module):
@@ -228,21 +229,20 @@ def update(
     return state, jax.tree.map(jnp.mean, metrics)
 
 
-def make_optimizer(
-    config: ml_collections.ConfigDict, num_updates: int
-) -> optax.GradientTransformation:
-    """Adam after global-norm clipping; the learning rate decays linearly to 0 if annealed."""
-    lr: float | optax.Schedule = config.learning_rate
-    if config.anneal_lr:
-        lr = optax.linear_schedule(
-            config.learning_rate,
-            0.0,
-            transition_steps=num_updates * config.num_epochs * config.num_minibatches,
-        )
-    return optax.chain(
-        optax.clip_by_global_norm(config.max_grad_norm),
-        optax.adam(lr, eps=config.adam_eps),
-    )
+def learning_rate(config: ml_collections.ConfigDict, num_updates: int) -> float | optax.Schedule:
+    """``config.learning_rate``, decaying linearly to 0 over the run if ``anneal_lr``."""
+    if not config.anneal_lr:
+        return config.learning_rate
+    total = num_updates * config.num_epochs * config.num_minibatches
+    return make_schedule(config.learning_rate, "linear", total_steps=total)
+
+
+def _optimizer(config: ml_collections.ConfigDict, num_updates: int) -> optax.GradientTransformation:
+    """Adam (no weight decay) after global-norm clipping, at ``learning_rate``."""
+    return make_optimizer(
+        learning_rate(config, num_updates), max_grad_norm=config.max_grad_norm,
+        weight_decay=None, eps=config.adam_eps,
+    )  # fmt: skip
 
 
 def bootstrap_truncated(
@@ -374,7 +374,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     model = ActorCritic(obs_dim, num_actions, config.hidden_size, rngs=nnx.Rngs(init_key))
     graphdef, params = nnx.split(model)
     del model
-    tx = make_optimizer(config, num_updates)
+    tx = _optimizer(config, num_updates)
     state = TrainState(params=params, opt_state=tx.init(params))
 
     act_fn = jax.jit(functools.partial(act, graphdef))

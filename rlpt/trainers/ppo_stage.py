@@ -23,7 +23,8 @@ import numpy as np
 from rlpt.data import CurriculumLoader, Feedback
 from rlpt.metrics import rl_step_model_flops
 from rlpt.parallel.multihost import to_host
-from rlpt.roles import PPOLearner, RewardRole, RolloutWorker, Trajectories, group_varies
+from rlpt.rl import group_varies
+from rlpt.roles import PPOLearner, RewardRole, RolloutWorker, Trajectories
 from rlpt.trainers.context import RunEvaluation, StageContext
 
 
@@ -184,7 +185,11 @@ class PPOStage:
             generate_s += t1 - t0
             first = sum(len(p) for p in parts) // group_size
             v = traj.verdicts
-            for g, varies in enumerate(group_varies(v.rewards, v.valid, group_size), start=first):
+            varied = group_varies(
+                v.rewards, np.arange(len(traj)) // group_size,
+                num_groups=len(traj) // group_size, valid=v.valid,
+            )  # fmt: skip
+            for g, varies in enumerate(varied, start=first):
                 (informative if varies else uniform).append(g)
             parts.append(traj)
             if len(informative) >= need:

@@ -17,63 +17,48 @@ continued-SFT control) is the same recipe run longer.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx, struct
+from flax import nnx
+from jax.sharding import Mesh
 
+from rlpt.models.transformer import positions_from_mask
+from rlpt.parallel.sharding import DEFAULT_RULES, Rules
 from rlpt.tasks import Domain, stable_hash
 from rlpt.tokenizers import Tokenizer
+from rlpt.trainers.supervised import Batch, SupervisedTrainer, TrainConfig
 
 
-@struct.dataclass
-class SFTState:
-    step: jax.Array  # int32 optimiser steps taken
-    params: Any  # nnx.State of the policy
-    opt_state: Any
-
-
-def make_optimizer(learning_rate: float, warmup_steps: int, weight_decay: float = 0.0):
-    """Clip at global norm 1, AdamW with linear warmup to a constant ``learning_rate``."""
-    schedule = optax.join_schedules(
-        [
-            optax.linear_schedule(learning_rate / max(warmup_steps, 1), learning_rate,
-                                  max(warmup_steps, 1)),
-            optax.constant_schedule(learning_rate),
-        ],
-        [max(warmup_steps, 1)],
+def train_config(learning_rate: float, warmup_steps: int, weight_decay: float = 0.0) -> TrainConfig:
+    """SFT's optimiser settings: clip at global norm 1, AdamW warming up linearly from
+    ``learning_rate / warmup_steps`` to a constant ``learning_rate`` (at least one step)."""
+    warmup = max(warmup_steps, 1)
+    return TrainConfig(
+        learning_rate=learning_rate, weight_decay=weight_decay, max_grad_norm=1.0,
+        warmup_steps=warmup, warmup_init=learning_rate / warmup,
     )  # fmt: skip
-    return optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=weight_decay)
-    )
 
 
-def init_sft_state(params: Any, tx: optax.GradientTransformation) -> SFTState:
-    return SFTState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+def next_token_loss(
+    logits: jax.Array, targets: jax.Array, weights: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Weighted mean negative log-likelihood of ``targets`` and the weighted accuracy.
 
+        loss = Σ_{b,t} w_{bt} · -log softmax(logits_{bt})[targets_{bt}] / max(Σ w, 1)
 
-def sft_loss(
-    graphdef: Any, params: Any, tokens: jax.Array, loss_mask: jax.Array, frozen: Any = None
-):
-    """Mean cross-entropy over the masked targets; ``tokens`` and ``loss_mask`` are [B, L].
-
-    The target of position ``t`` is ``tokens[:, t + 1]``; ``loss_mask[:, t + 1]`` says
-    whether it counts. Rows are right-padded, so positions are ``0..L-1``.
+    Args:
+      logits: `[B, T, V]` (any float dtype; the softmax runs in float32).
+      targets: `[B, T]` int token ids.
+      weights: `[B, T]` float, 1 for the targets that count.
     """
-    inputs = tokens[:, :-1]
-    targets = tokens[:, 1:]
-    weights = loss_mask[:, 1:].astype(jnp.float32)
-    # Rows are right-padded and attention is causal, so no real token sees a pad: no mask.
-    input_mask = jnp.ones(inputs.shape, bool)
-    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-    states = (params,) if frozen is None else (params, frozen)
-    logits, _ = nnx.merge(graphdef, *states)(inputs, positions, input_mask)
+    chex.assert_rank(logits, 3)
+    chex.assert_equal_shape([targets, weights, logits[..., 0]])
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     count = jnp.maximum(weights.sum(), 1.0)
@@ -81,40 +66,39 @@ def sft_loss(
     return (nll * weights).sum() / count, {"token_accuracy": (correct * weights).sum() / count}
 
 
-def sft_step(
-    graphdef: Any, tx: optax.GradientTransformation, state: SFTState, batch, frozen: Any = None
-):
-    """One AdamW step on a ``(tokens, loss_mask)`` batch -> ``(state, metrics)``.
+def sft_objective(graphdef: Any, params: Any, batch: Batch, frozen: Any = None):
+    """Next-token cross-entropy on the completion tokens of a batch of rows [N, L].
 
-    Only ``state.params`` is trained; ``frozen`` (a LoRA base) gets no gradient.
+    ``batch``: ``tokens`` [N, L]; ``loss_mask`` [N, L], where ``loss_mask[:, t]`` marks
+    token t as a target, predicted from position t - 1; optionally ``mask`` [N, L] of
+    real tokens (left padding; without it rows are right-padded and need no mask, since
+    attention is causal and no real token sees a pad). ``frozen``: model variables held
+    fixed outside ``params`` (a LoRA policy's base).
     """
-    tokens, loss_mask = batch
-    (loss, aux), grads = jax.value_and_grad(functools.partial(sft_loss, graphdef), has_aux=True)(
-        state.params, tokens, loss_mask, frozen
-    )
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
-    return SFTState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    tokens = batch["tokens"]
+    inputs = tokens[:, :-1]
+    if batch.get("mask") is None:
+        input_mask = jnp.ones(inputs.shape, bool)
+        positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+    else:
+        input_mask = batch["mask"][:, :-1].astype(bool)
+        positions = positions_from_mask(input_mask)
+    states = (params,) if frozen is None else (params, frozen)
+    logits, _ = nnx.merge(graphdef, *states)(inputs, positions, input_mask)
+    return next_token_loss(logits, tokens[:, 1:], batch["loss_mask"][:, 1:].astype(jnp.float32))
 
 
-def make_step_fns(graphdef: Any, tx: optax.GradientTransformation, frozen: Any = None):
-    """Jitted ``(train_step(state, batch), eval_loss(params, tokens, loss_mask))``.
-
-    The train step donates its state. ``frozen``: model variables held fixed outside
-    the trained ``params`` (a LoRA policy's base), merged in at every call.
-    """
-    step = jax.jit(functools.partial(sft_step, graphdef, tx), donate_argnums=0)
-    loss = jax.jit(lambda params, tokens, mask, frozen: sft_loss(
-        graphdef, params, tokens, mask, frozen)[0])  # fmt: skip
-
-    def train(state, batch):
-        return step(state, batch, frozen)
-
-    def eval_loss(params, tokens, loss_mask):
-        return loss(params, tokens, loss_mask, frozen)
-
-    return train, eval_loss
+def sft_trainer(
+    cfg: TrainConfig,
+    graphdef: Any,
+    *,
+    frozen: Any = None,
+    mesh: Mesh | None = None,
+    rules: Rules = DEFAULT_RULES,
+) -> SupervisedTrainer:
+    """The supervised trainer on ``sft_objective``; batches are dicts of ``tokens`` and
+    ``loss_mask`` (and optionally ``mask``)."""
+    return SupervisedTrainer(cfg, graphdef, sft_objective, mesh=mesh, rules=rules, frozen=frozen)
 
 
 def encode_example(
@@ -243,25 +227,15 @@ def steps_for_budget(stream: ExampleStream, token_budget: int) -> int:
     return max(steps, 1)
 
 
-def lr_at(step: int, learning_rate: float, warmup_steps: int) -> float:
-    w = max(warmup_steps, 1)
-    if step >= w:
-        return learning_rate
-    return learning_rate / w + (learning_rate - learning_rate / w) * step / w
-
-
 __all__ = [
     "ExampleStream",
-    "SFTState",
     "demonstration",
     "encode_example",
     "heldout_batch",
-    "init_sft_state",
-    "lr_at",
-    "make_optimizer",
-    "make_step_fns",
+    "next_token_loss",
     "read_jsonl_examples",
-    "sft_loss",
-    "sft_step",
+    "sft_objective",
+    "sft_trainer",
     "steps_for_budget",
+    "train_config",
 ]

@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
+from rlpt.parallel.multihost import to_host
 from rlpt.policy import full_policy
 from rlpt.trainers import sft as sft_lib
 from rlpt.trainers.context import RunEvaluation, StageContext
@@ -32,6 +32,7 @@ class SFTStage:
         policy_graph,
         evaluation: RunEvaluation,
         heldout,
+        mesh=None,
     ):
         self.config = sft_config
         self.stream = stream
@@ -41,23 +42,32 @@ class SFTStage:
         self.init_params = init_params
         self.steps = sft_lib.steps_for_budget(stream, sft_config.token_budget)
         c = sft_config
-        self.tx = sft_lib.make_optimizer(c.learning_rate, c.warmup_steps, c.weight_decay)
-        self.train_step, self.eval_loss = sft_lib.make_step_fns(
-            policy_graph, self.tx, frozen=base_params
-        )
-        self.state: Any = None
+        self.trainer = sft_lib.sft_trainer(
+            sft_lib.train_config(c.learning_rate, c.warmup_steps, c.weight_decay), policy_graph,
+            frozen=base_params, mesh=mesh,
+        )  # fmt: skip
+        self.state: Any = None  # rlpt.trainers.supervised.SupervisedState
 
     def start(self) -> None:
-        self.state = sft_lib.init_sft_state(self.init_params, self.tx)
+        self.state = self.trainer.init(self.init_params)
 
     def state_template(self):
-        return sft_lib.init_sft_state(self.init_params, self.tx)
+        template = jax.eval_shape(self.trainer.init, self.init_params)
+        if self.trainer.mesh is None:
+            return template
+        shardings = self.trainer.state_shardings(template)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), template, shardings
+        )
 
     def policy_params(self):
         return full_policy(self.state.params, self.base_params)
 
     def heldout_loss(self):
-        return self.eval_loss(self.state.params, *map(jnp.asarray, self.heldout))
+        tokens, mask = self.heldout
+        return self.trainer.evaluate(self.state.params, {"tokens": tokens, "loss_mask": mask})[
+            "loss"
+        ]
 
     def run(self, ctx: StageContext, *, continued: bool) -> bool:
         """SFT to the end of the stage; False if ``stop_after_step`` stopped it first."""
@@ -76,8 +86,8 @@ class SFTStage:
                 window_steps += 1
                 window_tokens += n_tokens
                 ctx.profiler.start(ctx.step + 1)
-                self.state, m = self.train_step(self.state, (jnp.asarray(tokens),
-                                                             jnp.asarray(mask)))  # fmt: skip
+                self.state, m = self.trainer.step(self.state, {"tokens": tokens,
+                                                               "loss_mask": mask})  # fmt: skip
                 ctx.profiler.stop(ctx.step + 1, m)
                 step = ctx.advance()
                 if continued:
@@ -87,10 +97,10 @@ class SFTStage:
                     last = ctx.stage_step >= total
                 metrics: dict[str, Any] = {}
                 if last or ctx.stage_step % c.log_every == 0:
-                    m = jax.device_get(m)
+                    m = to_host(m)
                     metrics.update({f"sft/{k}": v for k, v in m.items()})
-                    metrics["sft/lr"] = sft_lib.lr_at(
-                        int(self.state.step) - 1, c.learning_rate, c.warmup_steps
+                    metrics["sft/lr"] = self.trainer.learning_rate_at(
+                        int(to_host(self.state.step)) - 1
                     )
                     metrics["sft/examples"] = self.stream.position
                     # Steps are dispatched asynchronously: only a window's average is meaningful.

@@ -12,7 +12,6 @@ from rlpt.data import (
     CurriculumConfig,
     DifficultyConfig,
     Feedback,
-    informative_groups,
     make_curriculum,
 )
 
@@ -164,14 +163,6 @@ def test_ema_counts_samples():
     cur.update(Feedback([0, 0], [0.0, 0.0]))
     # Two samples at rate 0.5 keep (1 - 0.5)^2 of the old value.
     assert cur.success[0] == pytest.approx(0.25)
-
-
-def test_informative_groups():
-    rewards = np.array([1, 1, 1, 0, 1, 0, 0.5, 0.5])
-    group_id = np.array([0, 0, 1, 1, 2, 2, 3, 3])
-    assert informative_groups(rewards, group_id).tolist() == [
-        False, False, True, True, True, True, False, False,
-    ]  # fmt: skip
 
 
 def test_state_round_trips_through_json():

@@ -21,11 +21,11 @@ from rlpt.rewards import (
     rm_trainer,
     rollout_process_scores,
     rollout_rm_scores,
-    sft_trainer,
 )
 from rlpt.rl import new_rollout_batch
 from rlpt.sampling import left_pad
 from rlpt.tokenizers import ByteTokenizer
+from rlpt.trainers.sft import sft_trainer
 
 CFG = get_preset("tiny")
 TOK = ByteTokenizer()
@@ -182,7 +182,5 @@ def test_rollout_scores_feed_the_composite_reward(rm_run):
 
 
 def test_decay_schedule_must_outlast_its_warmup():
-    from rlpt.rewards.train import make_optimizer
-
     with pytest.raises(ValueError, match="decay_steps"):
-        make_optimizer(TrainConfig(warmup_steps=50, decay_steps=50))
+        TrainConfig(warmup_steps=50, decay_steps=50)

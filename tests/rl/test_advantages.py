@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from rlpt.rl import (
+    group_varies,
     grpo_advantages,
+    last_token_mask,
     process_group_advantages,
     rloo_advantages,
     sequence_to_tokens,
@@ -210,3 +212,29 @@ def test_process_advantages_with_outcome_only_are_grpo(variant):
     )
     want = grpo_advantages(rewards_seq, ids, num_groups=4, valid=valid)
     np.testing.assert_allclose(got, np.asarray(want)[:, None] * mask, atol=ATOL)
+
+
+def test_group_varies_by_hand():
+    # Groups of 3: mixed; all equal; equal once the invalid sample is ignored;
+    # one valid sample only; partial rewards that differ.
+    rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0.5, 0.25, 0.5], np.float32)
+    valid = np.array([1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1], np.float32)
+    group_ids = np.arange(15) // 3
+    got = group_varies(rewards, group_ids, num_groups=5, valid=valid)
+    assert got.tolist() == [True, False, False, False, True]
+    # Without `valid` the third group varies; groups need not be consecutive, and a group
+    # with no samples does not vary.
+    assert group_varies(rewards, group_ids, num_groups=5).tolist()[2] is True
+    shuffled = np.array([2, 0, 0, 2, 1, 1])
+    got = group_varies(np.array([1.0, 1, 1, 0, 0.5, 0.5]), shuffled, num_groups=4)
+    assert got.tolist() == [False, False, True, False]
+    with pytest.raises(ValueError, match="group_ids"):
+        group_varies(rewards, group_ids[:-1], num_groups=5)
+
+
+def test_last_token_mask_by_hand():
+    mask = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [0, 1, 1, 1]], jnp.float32)
+    want = [[0, 0, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1]]
+    got = last_token_mask(mask)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), want)

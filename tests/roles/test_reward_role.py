@@ -8,7 +8,7 @@ import numpy as np
 from rlpt.rewards.composite import RewardConfig
 from rlpt.rewards.learned import LearnedRewards
 from rlpt.rewards.monitor import RewardMonitor
-from rlpt.roles import RewardRole, Trajectories, group_varies
+from rlpt.roles import RewardRole, Trajectories
 from rlpt.tasks import CompositeReward, Task, VerifyResult
 
 
@@ -50,13 +50,3 @@ def test_sandbox_failures_and_non_finite_rewards_get_zero_weight_and_are_counted
     both = Trajectories.concat([traj.take(np.array([2, 0])), traj.take(np.array([1]))])
     assert both.texts == ["nan", "ok", "ok"]
     assert both.verdicts.rewards.tolist() == [0.0, 1.0, 0.0]
-
-
-def test_group_varies_by_hand():
-    # Groups of 3: mixed; all equal; equal once the invalid sample is ignored;
-    # one valid sample only; partial rewards that differ.
-    rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0.5, 0.25, 0.5], np.float32)
-    valid = np.array([1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1], np.float32)
-    assert group_varies(rewards, valid, 3).tolist() == [
-        True, False, False, False, True
-    ]  # fmt: skip

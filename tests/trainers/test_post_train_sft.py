@@ -3,7 +3,6 @@
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -55,14 +54,12 @@ def test_demonstration_stream_is_fixed_by_seed_and_resumes_by_position():
 def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
     cfg = get_preset("tiny")
     graph, params = create_model(lambda rngs: CausalLM(cfg, rngs=rngs), jax.random.key(0))
-    tx = sft.make_optimizer(3e-3, warmup_steps=1)
-    train, eval_loss = sft.make_step_fns(graph, tx)
+    trainer = sft.sft_trainer(sft.train_config(3e-3, warmup_steps=1), graph)
     rows = [sft.encode_example(TOK, f"{i}+1=", f"<answer>{i + 1}", 32) for i in range(8)]
-    tokens = jnp.asarray(np.stack([r[0] for r in rows]))
-    mask = jnp.asarray(np.stack([r[1] for r in rows]))
-    before = float(eval_loss(params, tokens, mask))
-    state = sft.init_sft_state(params, tx)
+    batch = {"tokens": np.stack([r[0] for r in rows]), "loss_mask": np.stack([r[1] for r in rows])}
+    before = float(trainer.evaluate(params, batch)["loss"])
+    state = trainer.init(params)
     for _ in range(20):
-        state, metrics = train(state, (tokens, mask))
-    assert float(eval_loss(state.params, tokens, mask)) < before - 1.0
+        state, metrics = trainer.step(state, batch)
+    assert float(trainer.evaluate(state.params, batch)["loss"]) < before - 1.0
     assert int(state.step) == 20
