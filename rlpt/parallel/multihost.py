@@ -21,6 +21,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from rlpt.parallel.sharding import replicated
+
 
 def to_device(tree, shardings):
     """``tree`` (host values equal in every process) placed on ``shardings`` (a matching
@@ -49,6 +51,32 @@ def _place(x, sharding):
             return jax.random.wrap_key_data(data, impl=impl)
         x = np.asarray(x)
     return jax.device_put(x, sharding)
+
+
+def to_global(tree, mesh):
+    """``tree`` with every process-local array replicated over ``mesh``, as a checkpoint
+    written by several processes needs (arrays already on the mesh stay as they are).
+    With one process the tree is returned unchanged."""
+    if jax.process_count() == 1 or mesh is None:
+        return tree
+    everywhere = replicated(mesh)
+
+    def one(x):
+        if isinstance(x, jax.Array) and x.is_fully_addressable:
+            return _place(x, everywhere)
+        return x
+
+    return jax.tree.map(one, tree)
+
+
+def abstract_on(tree, shardings):
+    """``tree``'s shapes and dtypes as ``jax.ShapeDtypeStruct``s carrying ``shardings``:
+    a restore target that places every leaf where the run keeps it."""
+    if shardings is None:
+        return tree
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
 
 
 def to_host(tree):

@@ -18,7 +18,7 @@ import numpy as np
 
 from rlpt.models import ValueModel, create_model
 from rlpt.parallel import state_shardings
-from rlpt.parallel.multihost import to_device
+from rlpt.parallel.multihost import abstract_on, to_device
 from rlpt.policy import full_policy
 from rlpt.rl import PPOConfig, PPOTrainer, RolloutBatch, init_train_state, new_rollout_batch
 from rlpt.roles.rollout import Trajectories
@@ -87,7 +87,8 @@ class PPOLearner:
         value = None
         if self.cfg.uses_critic:
             value = jax.eval_shape(lambda: self.value_init(init_params))
-        return jax.eval_shape(lambda: init_train_state(self.cfg, init_params, value, key_data))
+        template = jax.eval_shape(lambda: init_train_state(self.cfg, init_params, value, key_data))
+        return abstract_on(template, self.trainer.state_shardings(template))
 
     def trained_params(self):
         """What trains: the adapters under LoRA, else the full policy."""

@@ -50,6 +50,7 @@ from rlpt.metrics import (
     to_json_value,
 )
 from rlpt.parallel import make_mesh
+from rlpt.parallel.multihost import to_global
 from rlpt.policy import RUN_CONFIG_FILE, PPOConfig, adapter_name, full_policy
 from rlpt.rewards.learned import LearnedRewards
 from rlpt.roles import COUNTERS, PPOLearner, RewardRole, RolloutWorker, make_rule_reward
@@ -354,7 +355,7 @@ class PostTrainRun:
         self.meta["config"] = run_identity(self.config)
         self.meta["reward_monitor"] = self.learned.monitor_state()
         self.meta["reward_model_traces"] = self.learned.trace_state()
-        self.ckpt.save(self.meta["step"], self._items(), self.meta)
+        self.ckpt.save(self.meta["step"], to_global(self._items(), self.mesh), self.meta)
 
     def _elapsed(self) -> float:
         return self._elapsed_before + (time.perf_counter() - self.start_time)
@@ -372,7 +373,7 @@ class PostTrainRun:
         if "ref" in names:
             targets["ref"] = self.init_params
         targets.update(self.learned.templates(names, self.model_cfg, self.tokenizer.step_id))
-        return targets
+        return to_global(targets, self.mesh)
 
     def restore(self) -> bool:
         """Resumes from the newest checkpoint that restores (damaged ones are skipped,
@@ -387,9 +388,13 @@ class PostTrainRun:
             # kept under a name that says why.
             self.writer.close()
             if jax.process_index() == 0:
-                set_aside_run_files(
-                    self.workdir, (METRICS_FILE, SAMPLES_FILE, SUMMARY_FILE), "no-checkpoint"
-                )
+                # An empty file is what a fresh run's writer opened: nothing to keep.
+                logged = [
+                    name for name in (METRICS_FILE, SAMPLES_FILE, SUMMARY_FILE)
+                    if os.path.isfile(path := os.path.join(self.workdir, name))
+                    and os.path.getsize(path) > 0
+                ]  # fmt: skip
+                set_aside_run_files(self.workdir, logged, "no-checkpoint")
             self.writer = self._metric_writer()
             return False
         step, items, meta = restored

@@ -12,8 +12,10 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
-from rlpt.parallel.multihost import to_host
+from rlpt.parallel import data_parallel_size
+from rlpt.parallel.multihost import abstract_on, to_host
 from rlpt.policy import full_policy
 from rlpt.trainers import sft as sft_lib
 from rlpt.trainers.context import RunEvaluation, StageContext
@@ -38,7 +40,14 @@ class SFTStage:
         self.stream = stream
         self.base_params = base_params
         self.evaluation = evaluation
-        self.heldout = heldout
+        tokens, mask = heldout
+        if mesh is not None:
+            # Rows with an empty loss mask add nothing to the masked mean; they only let
+            # the batch split evenly over the data-parallel devices.
+            extra = -len(tokens) % data_parallel_size(mesh)
+            tokens = np.pad(tokens, ((0, extra), (0, 0)))
+            mask = np.pad(mask, ((0, extra), (0, 0)))
+        self.heldout = tokens, mask
         self.init_params = init_params
         self.steps = sft_lib.steps_for_budget(stream, sft_config.token_budget)
         c = sft_config
@@ -53,12 +62,7 @@ class SFTStage:
 
     def state_template(self):
         template = jax.eval_shape(self.trainer.init, self.init_params)
-        if self.trainer.mesh is None:
-            return template
-        shardings = self.trainer.state_shardings(template)
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), template, shardings
-        )
+        return abstract_on(template, self.trainer.state_shardings(template))
 
     def policy_params(self):
         return full_policy(self.state.params, self.base_params)
