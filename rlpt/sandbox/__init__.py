@@ -4,13 +4,14 @@
 safe to create from a process that has already imported JAX.
 """
 
-from rlpt.sandbox.pool import SandboxPool, outputs_match
+from rlpt.sandbox.pool import IsolationUnavailable, SandboxPool, outputs_match
 from rlpt.sandbox.types import ExecutionRequest, ExecutionResult, IOCase, Status
 
 __all__ = [
     "ExecutionRequest",
     "ExecutionResult",
     "IOCase",
+    "IsolationUnavailable",
     "SandboxPool",
     "Status",
     "outputs_match",
