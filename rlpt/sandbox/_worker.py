@@ -1057,7 +1057,8 @@ def _program_main(w: Worker, job: dict, fds: dict) -> None:
     os.chdir("/tmp")
     _confine(w, job, w.uid, cgroup=True)
     sys.argv = ["solution.py"]
-    secret = _read_exact(secret_r, 32)
+    # With tests the checker decides, and the program has no use for the end-of-program secret.
+    secret = None if req is not None else _read_exact(secret_r, 32)
     os.close(secret_r)
     # From here on only the program's own failures are reported, never as the sandbox's.
     os.close(status_w)
