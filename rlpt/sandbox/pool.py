@@ -633,6 +633,10 @@ def _classify(run: dict, timeout_s: float) -> tuple[Status, dict[str, Any]]:
         return Status.OUTPUT_LIMIT, info
     if run.get("killed") == "timeout":
         return Status.TIMEOUT, {"reason": "wall-clock"}
+    if run.get("oom_killed"):
+        # A process of the run was killed for the slot's memory: the budget is the run's, so
+        # finishing anyway is no pass.
+        return Status.MEMORY_LIMIT, {"reason": "the slot's memory limit"}
     if run.get("checked"):
         # With tests, only the checker's verdict can pass a run: nothing the program reports
         # about itself (its exit status, its control pipe) is read as a pass.
@@ -644,8 +648,6 @@ def _classify(run: dict, timeout_s: float) -> tuple[Status, dict[str, Any]]:
             return decided
     elif run.get("reached_end"):
         return Status.PASSED, info
-    if run.get("oom_killed"):
-        return Status.MEMORY_LIMIT, {"reason": "the slot's memory limit"}
     sig = run.get("signal")
     # A MemoryError can also strike while the bootstrap reports, leaving only the traceback.
     if kind == "memory" or (not kind and "MemoryError" in (run.get("stderr") or "")[-2000:]):
