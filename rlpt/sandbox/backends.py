@@ -13,6 +13,7 @@ pool (isolation, ceilings, out-of-process verdicts) holds on every node.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -197,43 +198,60 @@ class RayPool:
     def _collect(self, requests, metas, deadline_s) -> Iterator[ExecutionResult]:
         ray = self._ray
         t0 = time.monotonic()
-        # One request per task, dealt out in proportion to the actors' sizes: Ray queues them
-        # on each actor, whose threads keep its workers busy.
-        weights = [s for s in self._sizes]
-        order = [i for i, w in enumerate(weights) for _ in range(w)]
-        refs = {}
-        for index, req in enumerate(requests):
-            actor = self._actors[order[index % len(order)]]
-            refs[actor.run.remote([req], deadline_s)] = index
-        limit = self.timeout_s * max(1, len(requests)) + _RAY_SLACK_S
-        if deadline_s is not None:
-            limit = min(limit, float(deadline_s) + _RAY_SLACK_S)
-        pending = list(refs)
+        deadline = None if deadline_s is None else t0 + float(deadline_s)
+        # At most as many requests in flight on an actor as it has workers, and the next one
+        # to whichever actor frees up first: a slow program holds one worker, never a queue.
+        todo = list(range(len(requests)))[::-1]
+        free = [size for size in self._sizes]
+        refs: dict[Any, tuple[int, int]] = {}
+
+        def submit() -> None:
+            for a, actor in enumerate(self._actors):
+                while free[a] > 0 and todo:
+                    index = todo.pop()
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    refs[actor.run.remote([requests[index]], left)] = (index, a)
+                    free[a] -= 1
+
+        submit()
         try:
-            while pending:
-                left = limit - (time.monotonic() - t0)
-                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, left))
+            while refs:
+                wait_s = self.timeout_s + _RAY_SLACK_S
+                if deadline is not None:
+                    wait_s = min(wait_s, max(0.0, deadline - time.monotonic()) + _RAY_SLACK_S)
+                ready, _ = ray.wait(list(refs), num_returns=1, timeout=wait_s)
                 if not ready:
                     break
                 for ref in ready:
-                    index = refs[ref]
+                    index, a = refs.pop(ref)
+                    free[a] += 1
                     try:
                         res = ray.get(ref)[0]
                     except Exception as e:  # noqa: BLE001 - the actor or its node failed
                         res = _error(requests[index], self.isolation, f"ray: {e!r}")
                     yield self._finish(requests, metas, index, res)
-            for ref in pending:
-                index = refs[ref]
-                res = ExecutionResult(
-                    id=requests[index].id,
-                    status=Status.TIMEOUT,
-                    isolation=self.isolation,
-                    details={"reason": "batch deadline passed before the run"},
-                )
-                yield self._finish(requests, metas, index, res)
+                if deadline is not None and time.monotonic() >= deadline:
+                    # What has not started is a timeout now, as in the local pool.
+                    while todo:
+                        index = todo.pop()
+                        yield self._finish(requests, metas, index, self._late(requests, index))
+                submit()
+            for index, _ in list(refs.values()):
+                yield self._finish(requests, metas, index, self._late(requests, index))
+            while todo:
+                index = todo.pop()
+                yield self._finish(requests, metas, index, self._late(requests, index))
         finally:
-            for ref in pending:
+            for ref in refs:
                 ray.cancel(ref)
+
+    def _late(self, requests, index: int) -> ExecutionResult:
+        return ExecutionResult(
+            id=requests[index].id,
+            status=Status.TIMEOUT,
+            isolation=self.isolation,
+            details={"reason": "batch deadline passed before the run"},
+        )
 
     def _finish(self, requests, metas, index: int, res: ExecutionResult) -> ExecutionResult:
         res.details["index"] = index
@@ -248,10 +266,9 @@ class RayPool:
         self._closed = True
         ray = self._ray
         for actor in self._actors:
-            try:
+            # An actor that died has nothing left to close.
+            with contextlib.suppress(Exception):
                 ray.get(actor.close.remote(), timeout=30)
-            except Exception:  # noqa: BLE001,S110 - an actor that died has nothing to close
-                pass
             ray.kill(actor)
 
     def __enter__(self) -> RayPool:
