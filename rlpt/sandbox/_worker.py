@@ -8,13 +8,14 @@ in about a millisecond instead of the ~20 ms a fresh ``python`` costs.
 Namespaces and processes::
 
     relay   the process the pool started; only waits, so killing it kills the worker
-      └─ worker   PID 1 of the slot's own PID namespace, in its own network namespace with no
-                  interface up, and its own mount namespace whose root is a fresh tmpfs holding
+      └─ worker   PID 1 of the slot's own PID namespace, in the slot's cgroup, in its own
+                  network (no interface up), IPC and UTS namespaces, and its own mount
+                  namespace whose root is a fresh tmpfs holding
                   only the interpreter, its standard library, the allowed packages, the system
                   binaries and libraries, a few device nodes and this namespace's /proc, all
                   read-only (no home directory, project tree, /etc, /run or host socket)
-           ├─ program  per run: fresh mount, IPC and UTS namespaces with a private tmpfs /tmp
-           │           (its working directory), rlimits, the slot's cgroup, no_new_privs, the
+           ├─ program  per run: a fresh tmpfs /tmp (its working directory, mounted anew by the
+           │           worker before each run), rlimits, the slot's cgroup, no_new_privs, the
            │           seccomp filter, the slot's uid, a clean environment; runs ``code``
            └─ checker  per run with ``tests``: the same limits, another uid (as root) and
                        non-dumpable; it runs ``tests`` and calls the program's functions over a
@@ -114,6 +115,8 @@ F_SECCOMP = "seccomp system-call filter"
 ALL_FEATURES = (F_NET, F_PID, F_MOUNT, F_IPC, F_UID, F_LIBS, F_SECCOMP)
 
 _MAX_CTL = 65536
+# Beyond a run's own budget, for what the checker and the worker charge to the slot's cgroup.
+_CGROUP_HEADROOM_MB = 32
 _MAX_MESSAGE = 64 << 20  # one call's arguments or result, encoded
 _MEMORY_REPORT = b'RLPT-REPORT {"phase": "run", "exc": "MemoryError", "kind": "memory"}\n'
 _SENTINEL_TAG = b"\nRLPT-END "
@@ -134,6 +137,9 @@ _DENIED_SYSCALLS = (
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "sethostname",
     "setdomainname", "personality", "vhangup", "lookup_dcookie", "fanotify_init",
     "iopl", "ioperm", "mbind", "migrate_pages", "move_pages", "set_mempolicy",
+    # SysV IPC and POSIX message queues: objects that would outlive a run in the slot's IPC
+    # namespace, which its runs share one after another.
+    "shmget", "semget", "msgget", "mq_open",
 )  # fmt: skip
 _NS_CLONE_FLAGS = (
     CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID,
@@ -445,7 +451,7 @@ class Worker:
         self.is_init = False
         self.seccomp: bytes | None = None
         # The slot's cgroup: descriptors opened before the host's /sys goes out of sight.
-        self.cg_procs: list[int] = []
+        self.cg_procs: list[int] = []  # non-empty once the worker is in the slot's cgroup
         self.cg_memory: int | None = None
         self.cg_oom: int | None = None
         self.cg_memory_set: int | None = None
@@ -469,6 +475,14 @@ class Worker:
             except OSError as e:
                 _log(f"no network namespace: {e}")
                 self.wanted.discard(F_NET)
+        if F_IPC in self.wanted:
+            # Once per slot rather than per run: the filter forbids creating IPC objects, so
+            # nothing in this namespace outlives a run, and sethostname is forbidden too.
+            try:
+                _unshare(CLONE_NEWIPC | CLONE_NEWUTS)
+            except OSError as e:
+                _log(f"no ipc/uts namespace: {e}")
+                self.wanted.discard(F_IPC)
         self._open_cgroup()
         if F_SECCOMP in self.wanted:
             try:
@@ -490,16 +504,27 @@ class Worker:
         self.features = self._probe()
 
     def _open_cgroup(self) -> None:
+        """Join the slot's cgroup; keep its memory limit and OOM counter open for the runs.
+
+        The worker joins once, so every run is born inside it: moving each run in would cost
+        a cgroup migration (milliseconds on cgroup v1) per run. Pages the worker touched
+        before joining stay charged where they were, so the limit bounds what the runs add.
+        """
         cfg = self._cgroup_cfg
+        if not cfg:
+            return
         try:
-            self.cg_procs = [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in cfg.get("procs", [])]
+            for path in cfg.get("procs", []):
+                with open(path, "w") as f:
+                    f.write("0")
             if cfg.get("memory_max"):
                 self.cg_memory = os.open(cfg["memory_max"], os.O_WRONLY | os.O_CLOEXEC)
             if cfg.get("oom_events"):
                 self.cg_oom = os.open(cfg["oom_events"], os.O_RDONLY | os.O_CLOEXEC)
+            self.cg_procs = [1]  # joined
         except OSError as e:
-            _log(f"cannot open the slot's cgroup: {e}")
-            for fd in self.cg_procs + [self.cg_memory, self.cg_oom]:
+            _log(f"cannot join the slot's cgroup: {e}")
+            for fd in (self.cg_memory, self.cg_oom):
                 if fd is not None:
                     os.close(fd)
             self.cg_procs, self.cg_memory, self.cg_oom = [], None, None
@@ -517,7 +542,8 @@ class Worker:
         if self.cg_memory is None or memory_mb == self.cg_memory_set:
             return
         with contextlib.suppress(OSError):
-            os.pwrite(self.cg_memory, str(memory_mb << 20).encode(), 0)
+            limit = (memory_mb + _CGROUP_HEADROOM_MB) << 20
+            os.pwrite(self.cg_memory, str(limit).encode(), 0)
             self.cg_memory_set = memory_mb
 
     def _become_namespace_init(self) -> None:
@@ -639,6 +665,8 @@ class Worker:
                 "status": pipes["status"][1],
             }
         self.set_memory_limit(int(job["memory_mb"]))
+        if F_MOUNT in self.features:
+            self._fresh_tmp()
         oom_before = self.oom_kills()
         t0 = time.monotonic()
         deadline = t0 + timeout_s
@@ -799,6 +827,16 @@ class Worker:
             res["error"] = "the run's process could not be waited for"
         return res
 
+    def _fresh_tmp(self) -> None:
+        """A new, empty tmpfs on /tmp for this run; the last run's is unmounted and freed.
+
+        Its processes are all dead by now, so nothing still holds a file of it. Cheaper than
+        a mount namespace per run, whose creation and teardown cost more than the run.
+        """
+        with contextlib.suppress(OSError):
+            _check(_libc.umount2(b"/tmp", MNT_DETACH), "umount /tmp")
+        _mount_scratch(0 if self.rootless or F_UID not in self.features else self.uid)
+
     @staticmethod
     def _take(name: str, chunk: bytes, buf: bytearray, overflow: dict, out_cap: int) -> bool:
         """Keep ``chunk``; False when an output stream passes its cap."""
@@ -906,11 +944,7 @@ def _probe_child(w: Worker) -> set[str]:
         except OSError as e:
             _log(f"no network namespace: {e}")
     if F_IPC in w.wanted:
-        try:
-            _unshare(CLONE_NEWIPC | CLONE_NEWUTS)
-            got.add(F_IPC)
-        except OSError as e:
-            _log(f"no ipc/uts namespace: {e}")
+        got.add(F_IPC)  # unshared by the worker itself
     if F_MOUNT in w.wanted:
         try:
             _unshare(CLONE_NEWNS)
@@ -1006,10 +1040,8 @@ def _confine(w: Worker, job: dict, uid: int, *, cgroup: bool) -> None:
         # Counted per uid: meaningful only because each slot runs as its own uids.
         nproc = int(job["max_processes"])
         limits.append((resource.RLIMIT_NPROC, nproc, nproc))
-    if cgroup:
-        for fd in w.cg_procs:
-            os.write(fd, b"0")  # this process, and so everything it forks
-    for fd in w.cg_procs + [w.cg_memory, w.cg_oom]:
+    del cgroup  # born in the slot's cgroup: the worker joined it
+    for fd in (w.cg_memory, w.cg_oom):
         if fd is not None:
             os.close(fd)
     for which, soft, hard in limits:
@@ -1029,17 +1061,8 @@ def _program_main(w: Worker, job: dict, fds: dict) -> None:
     """The program's process: its namespaces, limits and uid, then the bootstrap."""
     os.setsid()
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    flags = 0
     if F_NET in w.features and w.netns_per_run:
-        flags |= CLONE_NEWNET
-    if F_IPC in w.features:
-        flags |= CLONE_NEWIPC | CLONE_NEWUTS
-    if F_MOUNT in w.features:
-        flags |= CLONE_NEWNS
-    if flags:
-        _unshare(flags)
-    if F_MOUNT in w.features:
-        _mount_scratch(w.uid if F_UID in w.features else 0)
+        _unshare(CLONE_NEWNET)
     os.dup2(fds["stdin"], 0)
     os.dup2(fds["stdout"], 1)
     os.dup2(fds["stderr"], 2)
@@ -1051,7 +1074,7 @@ def _program_main(w: Worker, job: dict, fds: dict) -> None:
         req = os.dup2(fds["req"], high + 1, inheritable=False)
         resp = os.dup2(fds["resp"], high + 2, inheritable=False)
     secret_r, status_w = fds["secret"], fds["status"]
-    keep = {0, 1, 2, ctl, secret_r, status_w, *w.cg_procs}
+    keep = {0, 1, 2, ctl, secret_r, status_w}
     keep |= {fd for fd in (req, resp, w.cg_memory, w.cg_oom) if fd is not None}
     _close_all_but(keep)
     os.chdir("/tmp")
@@ -1218,7 +1241,7 @@ def _checker_main(w: Worker, job: dict, fds: dict) -> None:
     os.dup2(null, 0)
     os.dup2(fds["stdout"], 1)
     os.dup2(fds["stderr"], 2)
-    keep = {0, 1, 2, fds["req"], fds["resp"], fds["verdict"], fds["status"], *w.cg_procs}
+    keep = {0, 1, 2, fds["req"], fds["resp"], fds["verdict"], fds["status"]}
     keep |= {fd for fd in (w.cg_memory, w.cg_oom) if fd is not None}
     _close_all_but(keep)
     os.chdir("/")

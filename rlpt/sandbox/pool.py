@@ -352,7 +352,8 @@ class SandboxPool:
         for i in range(workers):
             cgroup = None
             if features is None or "slot cgroup" in features:
-                cgroup = _SlotCgroup.create(f"{tag}-{i}", int(max_processes))
+                # The worker and the checker live in the slot's cgroup beside the program.
+                cgroup = _SlotCgroup.create(f"{tag}-{i}", int(max_processes) + 2)
             self._slots.append(_Slot(i, uid_base + 2 * i, features, options, cgroup))
         try:
             for slot in self._slots:
