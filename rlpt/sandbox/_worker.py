@@ -2,7 +2,7 @@
 
 The pool starts this file as a fresh interpreter (``python -I _worker.py CONFIG``), never by
 forking a process that may hold JAX threads. It imports only the standard library (and, when
-installed, ``pyseccomp``), so a fork of it is a pre-warmed Python that starts running a program
+so a fork of it is a pre-warmed Python that starts running a program
 in about a millisecond instead of the ~20 ms a fresh ``python`` costs.
 
 Namespaces and processes::
@@ -52,10 +52,8 @@ import collections  # noqa: F401
 import contextlib
 import copy  # noqa: F401
 import ctypes
-import errno
 import functools  # noqa: F401
 import gc
-import hashlib  # noqa: F401
 import heapq  # noqa: F401
 import importlib.util
 import itertools  # noqa: F401
@@ -66,7 +64,6 @@ import os
 import random  # noqa: F401 - reseeds itself in every forked child
 import re  # noqa: F401
 import resource
-import secrets
 import select
 import signal
 import string  # noqa: F401
@@ -120,31 +117,6 @@ _CGROUP_HEADROOM_MB = 32
 _MAX_MESSAGE = 64 << 20  # one call's arguments or result, encoded
 _MEMORY_REPORT = b'RLPT-REPORT {"phase": "run", "exc": "MemoryError", "kind": "memory"}\n'
 _SENTINEL_TAG = b"\nRLPT-END "
-
-# System calls a test program never needs. Denied with EPERM (a clean OSError in the program)
-# rather than a kill, so a library that probes for them keeps working. ptrace and
-# process_vm_* also keep the program away from the checker; the namespace and mount calls
-# keep it from undoing its own confinement.
-_DENIED_SYSCALLS = (
-    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
-    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns",
-    "mount_setattr", "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick",
-    "open_by_handle_at", "name_to_handle_at",
-    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter",
-    "io_uring_register", "keyctl", "add_key", "request_key",
-    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
-    "reboot", "swapon", "swapoff", "syslog", "acct", "quotactl", "quotactl_fd",
-    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "sethostname",
-    "setdomainname", "personality", "vhangup", "lookup_dcookie", "fanotify_init",
-    "iopl", "ioperm", "mbind", "migrate_pages", "move_pages", "set_mempolicy",
-    # SysV IPC and POSIX message queues: objects that would outlive a run in the slot's IPC
-    # namespace, which its runs share one after another.
-    "shmget", "semget", "msgget", "mq_open",
-)  # fmt: skip
-_NS_CLONE_FLAGS = (
-    CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID,
-    CLONE_NEWNET,
-)  # fmt: skip
 
 
 def _check(ret: int, what: str) -> None:
@@ -290,31 +262,6 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-def _seccomp_program() -> bytes:
-    """The filter as classic BPF, compiled once by libseccomp (through ``pyseccomp``).
-
-    Loading the exported program with one prctl in each run costs microseconds, where
-    building it again with libseccomp would cost a compilation per run.
-    """
-    import pyseccomp
-
-    flt = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
-    deny = pyseccomp.ERRNO(errno.EPERM)
-    for name in _DENIED_SYSCALLS:
-        with contextlib.suppress(Exception):  # a call this architecture does not have
-            flt.add_rule(deny, name)
-    for flag in _NS_CLONE_FLAGS:
-        flt.add_rule(deny, "clone", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, flag, flag))
-    # clone3 passes its flags in memory, out of a filter's reach; ENOSYS makes libc fall back
-    # to clone, whose flags the rules above see.
-    flt.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone3")
-    fd = os.memfd_create("seccomp", os.MFD_CLOEXEC)
-    with open(fd, "w+b") as f:
-        flt.export_bpf(f)
-        f.seek(0)
-        return f.read()
-
-
 def _load_seccomp(program: bytes) -> None:
     """Install the filter on this process (needs no_new_privs); its children inherit it."""
     buf = ctypes.create_string_buffer(program, len(program))
@@ -456,6 +403,7 @@ class Worker:
         self.cg_oom: int | None = None
         self.cg_memory_set: int | None = None
         self._cgroup_cfg = cfg.get("cgroup") or {}
+        self._seccomp_hex = cfg.get("seccomp_bpf")
 
     # -- start-up -------------------------------------------------------------------------------
 
@@ -485,10 +433,12 @@ class Worker:
                 self.wanted.discard(F_IPC)
         self._open_cgroup()
         if F_SECCOMP in self.wanted:
-            try:
-                self.seccomp = _seccomp_program()
-            except Exception as e:  # noqa: BLE001 - pyseccomp or libseccomp missing
-                _log(f"no seccomp filter: {e!r}")
+            # Compiled by the pool (with libseccomp), so that this process, which every run
+            # is forked from, maps no more libraries than it must.
+            if self._seccomp_hex:
+                self.seccomp = bytes.fromhex(self._seccomp_hex)
+            else:
+                _log("no seccomp filter: the pool could not compile one")
                 self.wanted.discard(F_SECCOMP)
         if F_MOUNT in self.wanted:
             # Done once here: every run's mount namespace starts as a copy of this one, so a
@@ -697,7 +647,7 @@ class Worker:
                 os.close(r)
                 os.close(w)
         # Made only now, after the fork, so that it is not in the child's copy of our memory.
-        secret = secrets.token_hex(16).encode()
+        secret = os.urandom(16).hex().encode()
         with contextlib.suppress(OSError):
             os.write(pipes["secret"][1], secret)
         os.close(pipes["secret"][1])
@@ -1067,7 +1017,7 @@ def _program_main(w: Worker, job: dict, fds: dict) -> None:
     os.dup2(fds["stdout"], 1)
     os.dup2(fds["stderr"], 2)
     # Random high fds, close-on-exec: not where a program writing to fd 3 would land.
-    high = 300 + secrets.randbelow(600)
+    high = 300 + int.from_bytes(os.urandom(2), "little") % 600
     ctl = os.dup2(fds["ctl"], high, inheritable=False)
     req = resp = None
     if "req" in fds:

@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from rlpt.sandbox._seccomp import seccomp_program
 from rlpt.sandbox.types import ExecutionRequest, ExecutionResult, IOCase, Status
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,15 @@ class _SlotCgroup:
                 os.rmdir(d)
 
 
+def _seccomp_hex() -> str | None:
+    """The filter for the workers, or None (and the worker reports it missing)."""
+    try:
+        return seccomp_program().hex()
+    except Exception as e:  # noqa: BLE001 - pyseccomp or the system's libseccomp missing
+        log.warning("cannot compile the seccomp filter: %r", e)
+        return None
+
+
 def _write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -187,6 +197,7 @@ class _Slot:
 
     def spawn(self) -> None:
         cfg: dict[str, Any] = {**self.options, "uid": self.uid, "checker_uid": self.uid + 1}
+        cfg["seccomp_bpf"] = _seccomp_hex()
         if self.cgroup is not None:
             cfg["cgroup"] = self.cgroup.worker_cfg
         if self.features is not None:
