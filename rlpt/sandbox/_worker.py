@@ -62,7 +62,7 @@ import linecache
 import math
 import os
 import random  # noqa: F401 - reseeds itself in every forked child
-import re  # noqa: F401
+import re
 import resource
 import select
 import signal
@@ -111,6 +111,7 @@ F_LIBS = "interpreter readable by the slot uid"
 F_SECCOMP = "seccomp system-call filter"
 ALL_FEATURES = (F_NET, F_PID, F_MOUNT, F_IPC, F_UID, F_LIBS, F_SECCOMP)
 
+_KERNEL = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
 _MAX_CTL = 65536
 # Beyond a run's own budget, for what the checker and the worker charge to the slot's cgroup.
 _CGROUP_HEADROOM_MB = 32
@@ -989,6 +990,11 @@ def _confine(w: Worker, job: dict, uid: int, *, cgroup: bool) -> None:
     if F_UID in w.features:
         # Counted per uid: meaningful only because each slot runs as its own uids.
         nproc = int(job["max_processes"])
+        limits.append((resource.RLIMIT_NPROC, nproc, nproc))
+    elif w.rootless and _KERNEL >= (5, 14):
+        # Since 5.14 the count is per user namespace, and each slot has its own: the worker,
+        # the checker and the program's processes, all uid 0 there.
+        nproc = int(job["max_processes"]) + 2
         limits.append((resource.RLIMIT_NPROC, nproc, nproc))
     del cgroup  # born in the slot's cgroup: the worker joined it
     for fd in (w.cg_memory, w.cg_oom):
