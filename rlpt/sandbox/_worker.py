@@ -32,10 +32,10 @@ it and the worker hold; the program cannot see the checker's process (another ui
 non-dumpable and behind a seccomp filter that forbids ``ptrace`` in both modes).
 
 Without ``tests`` there is nothing to check but that the program ran to its end: the bootstrap
-then writes a secret, made by the worker after the fork, to a control pipe after the last
+then writes an end marker on a control pipe (on a random high descriptor) after the last
 statement, so ``exit(0)`` and ``os._exit(0)`` are not taken for a finished run. That signal is
-the program's own to give (it could introspect its way to the secret, but it could as well just
-not stop early); with ``io_cases`` the verdict is the parent's comparison of stdout.
+the program's own to give by definition (a program that forged it could as well not stop
+early), so it is no secret; with ``io_cases`` the verdict is the parent's comparison of stdout.
 
 When a run ends, the worker, as init, sends ``kill(-1, SIGKILL)``, which reaches every other
 process in its namespace (double-forked daemons included) and nothing outside, then reaps them
@@ -117,7 +117,7 @@ _MAX_CTL = 65536
 _CGROUP_HEADROOM_MB = 32
 _MAX_MESSAGE = 64 << 20  # one call's arguments or result, encoded
 _MEMORY_REPORT = b'RLPT-REPORT {"phase": "run", "exc": "MemoryError", "kind": "memory"}\n'
-_SENTINEL_TAG = b"\nRLPT-END "
+_END_MARKER = b"\nRLPT-END\n"
 
 
 def _check(ret: int, what: str) -> None:
@@ -584,7 +584,7 @@ class Worker:
         timeout_s = float(job["timeout_s"])
         out_cap = int(job["output_limit"])
         checked = bool(job.get("tests"))
-        names = ["stdout", "stderr", "ctl", "status", "secret"]
+        names = ["stdout", "stderr", "ctl", "status"]
         if checked:
             names += ["req", "resp", "verdict"]
         pipes = {name: os.pipe() for name in names}
@@ -601,7 +601,6 @@ class Worker:
             "stdout": pipes["stdout"][1],
             "stderr": pipes["stderr"][1],
             "ctl": pipes["ctl"][1],
-            "secret": pipes["secret"][0],
             "status": pipes["status"][1],
         }
         chk = {}
@@ -640,19 +639,12 @@ class Worker:
         os.close(stdin_fd)
         keep_read = {"stdout", "stderr", "ctl", "status", "verdict"}
         for name, (r, w) in pipes.items():
-            if name == "secret":
-                os.close(r)
-            elif name in keep_read:
+            if name in keep_read:
                 os.close(w)
             else:
                 os.close(r)
                 os.close(w)
-        # Made only now, after the fork, so that it is not in the child's copy of our memory.
-        secret = os.urandom(16).hex().encode()
-        with contextlib.suppress(OSError):
-            os.write(pipes["secret"][1], secret)
-        os.close(pipes["secret"][1])
-        sentinel = _SENTINEL_TAG + secret
+        sentinel = _END_MARKER
 
         readers = {pipes[n][0]: n for n in keep_read if n in pipes}
         bufs = {n: bytearray() for n in readers.values()}
@@ -1029,23 +1021,20 @@ def _program_main(w: Worker, job: dict, fds: dict) -> None:
     if "req" in fds:
         req = os.dup2(fds["req"], high + 1, inheritable=False)
         resp = os.dup2(fds["resp"], high + 2, inheritable=False)
-    secret_r, status_w = fds["secret"], fds["status"]
-    keep = {0, 1, 2, ctl, secret_r, status_w}
+    status_w = fds["status"]
+    keep = {0, 1, 2, ctl, status_w}
     keep |= {fd for fd in (req, resp, w.cg_memory, w.cg_oom) if fd is not None}
     _close_all_but(keep)
     os.chdir("/tmp")
     _confine(w, job, w.uid, cgroup=True)
     sys.argv = ["solution.py"]
-    # With tests the checker decides, and the program has no use for the end-of-program secret.
-    secret = None if req is not None else _read_exact(secret_r, 32)
-    os.close(secret_r)
     # From here on only the program's own failures are reported, never as the sandbox's.
     os.close(status_w)
-    _bootstrap(job["code"], ctl, secret, req, resp)
+    _bootstrap(job["code"], ctl, req, resp)
 
 
-def _bootstrap(code: str, ctl: int, secret: bytes | None, req: int | None, resp: int | None):
-    """Run the program; then serve the checker's calls, or write the end-of-program secret."""
+def _bootstrap(code: str, ctl: int, req: int | None, resp: int | None) -> None:
+    """Run the program; then serve the checker's calls, or write the end marker."""
     write, exit_ = os.write, os._exit
     memory_report = _MEMORY_REPORT  # bound now: after a MemoryError nothing may allocate
     g = {"__name__": "__main__", "__builtins__": builtins}
@@ -1087,8 +1076,7 @@ def _bootstrap(code: str, ctl: int, secret: bytes | None, req: int | None, resp:
     _flush()
     if req is not None and resp is not None:
         _serve(g, req, resp)
-    if secret is not None:
-        write(ctl, _SENTINEL_TAG + secret + b"\n")
+    write(ctl, _END_MARKER)
     exit_(0)
 
 

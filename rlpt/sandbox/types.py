@@ -46,10 +46,10 @@ class IOCase:
 class ExecutionRequest:
     """A program to run in isolation.
 
-    ``code`` runs first; ``tests`` (Python source, assertions) run after it in
-    the same interpreter. A run passes only if execution reaches a secret
-    sentinel placed after the last statement. With ``io_cases`` the program is
-    run once per case with that stdin and its stdout compared in the parent.
+    ``code`` runs first; ``tests`` (Python source, assertions) run after it, and
+    a run with tests passes only if they all hold. With ``io_cases`` the program
+    is run once per case with that stdin and its stdout compared in the parent.
+    With neither, a run passes if the program runs to its end.
     ``timeout_s`` / ``memory_mb`` of None take the pool's limits; the pool's limits are
     ceilings, so a request may ask for less, never more. Invalid values raise at once, naming
     the field.
