@@ -768,6 +768,9 @@ class Worker:
                 res["exit_code"] = os.WEXITSTATUS(ws)
         elif not killed:
             res["error"] = "the run's process could not be waited for"
+        if "checker" in exited:
+            ru = exited["checker"][1]
+            res["checker_cpu_s"] = ru.ru_utime + ru.ru_stime
         return res
 
     def _fresh_tmp(self) -> None:
