@@ -733,6 +733,8 @@ def _judge(
         details["message"] = report["msg"]
     if report.get("phase"):
         details["phase"] = report["phase"]
+    if last.get("checker_cpu_s") is not None:
+        details["checker_cpu_s"] = last["checker_cpu_s"]
     maxrss = [r["maxrss_kb"] for r in runs if r.get("maxrss_kb")]
     return ExecutionResult(
         id=req.id,
