@@ -33,7 +33,7 @@ def _mixed_batch():
         ExecutionRequest(id="fail", code="def f(x):\n    return x\n", tests="assert f(2) == 4"),
         ExecutionRequest(id="raise", code="1 / 0\n"),
         ExecutionRequest(id="timeout", code="while True:\n    pass\n", timeout_s=0.5),
-        ExecutionRequest(id="over_ceiling", code="import time\ntime.sleep(7)\n", timeout_s=60),
+        ExecutionRequest(id="asks_more", code="import time\ntime.sleep(0.2)\n", timeout_s=60),
         ExecutionRequest(
             id="io", code="print(int(input()) + 1)", io_cases=(IOCase("1", "2"), IOCase("5", "7"))
         ),
@@ -59,7 +59,8 @@ def test_ray_backend_matches_the_local_pool(ray_pool, pool):
     ]
     by_id = {r.id: r.status for r in remote}
     assert by_id["pass"] == Status.PASSED and by_id["forge"] != Status.PASSED
-    assert by_id["timeout"] == by_id["over_ceiling"] == Status.TIMEOUT
+    assert by_id["timeout"] == Status.TIMEOUT
+    assert {r.id: r.details["limits"]["timeout_s"] for r in remote}["asks_more"] == 5.0
 
 
 def test_ray_backend_streams_results_and_honours_deadlines(ray_pool):
