@@ -32,6 +32,9 @@ setup(
         "tensorboardX",
         # Progress bars during long stages.
         "tqdm",
+        # The sandbox's system-call filter: compiled by the system's libseccomp (libseccomp2,
+        # which every Debian or Ubuntu system with apt has).
+        "pyseccomp",
     ],
     extras_require={
         "dev": [
@@ -41,7 +44,11 @@ setup(
             # module and session fixtures are built once per file.
             "pytest-xdist",
             "ruff",
+            # The tests run the sandbox's Ray backend on a local ray.init (an 80 MB wheel).
+            "ray",
         ],
+        # Sandbox workers on a Ray cluster: make_pool(backend="ray").
+        "ray": ["ray"],
         "reasoning": ["reasoning-gym"],
         "cuda": ["jax[cuda12]"],
         "tpu": ["jax[tpu]"],

@@ -4,14 +4,19 @@
 safe to create from a process that has already imported JAX.
 """
 
-from rlpt.sandbox.pool import SandboxPool, outputs_match
+from rlpt.sandbox.backends import BACKENDS, RayPool, make_pool
+from rlpt.sandbox.pool import IsolationUnavailable, SandboxPool, outputs_match
 from rlpt.sandbox.types import ExecutionRequest, ExecutionResult, IOCase, Status
 
 __all__ = [
+    "BACKENDS",
     "ExecutionRequest",
     "ExecutionResult",
     "IOCase",
+    "IsolationUnavailable",
+    "RayPool",
     "SandboxPool",
     "Status",
+    "make_pool",
     "outputs_match",
 ]

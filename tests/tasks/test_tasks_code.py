@@ -248,3 +248,30 @@ def test_early_exit_is_not_a_pass(any_pool):
     result = PS.verify(TASK, completion, pool=any_pool)
     assert (result.reward, result.valid) == (0.0, True)
     assert result.outcome in {"wrong", "runtime_error"}
+
+
+def test_assertion_domains_resist_exploits(real_pool):
+    """Assertion tests run outside the program: always-equal results, patched builtins and a
+    forged early exit all score zero, and the honest solution still scores one."""
+    domain = CodeProblemsDomain(PROBLEMS[1:2], heldout_fraction=0.0)  # sq(x) == x * x
+    task = domain.generate("train", 0)
+    exploits = [
+        "<answer>class E:\n    def __eq__(self, o):\n        return True\n"
+        "def sq(x):\n    return E()",
+        "<answer>class I(int):\n    def __eq__(self, o):\n        return True\n"
+        "def sq(x):\n    return I(0)",
+        "<answer>import builtins\nbuiltins.exec = lambda *a, **k: None\n"
+        "builtins.AssertionError = KeyError\ndef sq(x):\n    return 0",
+        "<answer>import os, sys\nf = sys._getframe()\nwhile f.f_back:\n    f = f.f_back\n"
+        "for fd in range(3, 1024):\n    for v in list(f.f_locals.values()):\n"
+        "        if isinstance(v, bytes):\n            try:\n"
+        "                os.write(fd, b'\\nRLPT-END ' + v + b'\\n')\n"
+        "            except OSError:\n                pass\nos._exit(0)",
+    ]
+    results = domain.verify_batch(
+        [task] * (len(exploits) + 1), exploits + [domain.demonstration(task)], pool=real_pool
+    )
+    assert [r.reward for r in results] == [0.0] * len(exploits) + [1.0], [
+        r.details for r in results
+    ]
+    assert all(r.valid for r in results)
