@@ -131,20 +131,31 @@ def test_refresh_from_newest_traces_every_n_steps(rm_run):
     graph, state, _ = rm_run
     state = jax.tree.map(jnp.copy, state)  # refreshing donates it; the fixture's stays usable
     step = int(state.step)
-    trainer = rm_trainer(TrainConfig(learning_rate=1e-3), graph)
-    refresher = RewardModelRefresher(trainer, TOK, max_len=L, every=3, steps=2, batch_size=16,
+    trainer = rm_trainer(TrainConfig(learning_rate=3e-3), graph)
+    refresher = RewardModelRefresher(trainer, TOK, max_len=L, every=3, steps=4, batch_size=16,
                                      buffer_size=20)  # fmt: skip
+    # The rollouts' verifier now says the opposite of what the fixture learned: even is right.
     traces = [
-        Trace(f"t{i}", "d", f"q{i}", f"{i}<answer>{2 * i + k}", "correct" if k else "wrong")
+        Trace(f"t{i}", "d", f"q{i}", f"{i}<answer>{2 * i + k}", "wrong" if k else "correct")
         for i in range(12) for k in (0, 1)
     ]  # fmt: skip
     refresher.add(traces)
-    assert len(refresher.traces) == 20  # only the newest are kept
+    assert refresher.traces == traces[-20:]  # only the newest are kept: prompts 2 to 11
+    newest = _batch([
+        PreferencePair(f"q{i}", f"{i}<answer>{2 * i}", f"{i}<answer>{2 * i + 1}")
+        for i in range(2, 12)
+    ])  # fmt: skip
+    before = jax.device_get(trainer.evaluate(state.params, newest))
+    assert before["accuracy"] == 0.0  # the fixture ranks every new pair the wrong way round
     same, metrics = refresher.maybe_refresh(2, state, jax.random.key(0))
     assert same is state and metrics == {}
     new, metrics = refresher.maybe_refresh(3, state, jax.random.key(0))
-    assert metrics["rm/refresh_pairs"] == 10 and int(new.step) == step + 2
+    assert metrics["rm/refresh_pairs"] == 10 and int(new.step) == step + 4
     assert np.isfinite(metrics["rm/refresh_loss"])
+    # Four steps on the new verdicts cut the Bradley-Terry loss on them by a quarter at least
+    # (8.2 to 4.1 at this seed); steps that ignored or reversed the traces would not.
+    after = jax.device_get(trainer.evaluate(new.params, newest))
+    assert after["loss"] < 0.75 * before["loss"]
 
 
 def test_rollout_scores_feed_the_composite_reward(rm_run):
