@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from rlpt.models import CausalLM, ProcessRewardModel, RewardModel, create_model, get_preset
 from rlpt.parallel import make_mesh
@@ -131,20 +132,51 @@ def test_refresh_from_newest_traces_every_n_steps(rm_run):
     graph, state, _ = rm_run
     state = jax.tree.map(jnp.copy, state)  # refreshing donates it; the fixture's stays usable
     step = int(state.step)
-    trainer = rm_trainer(TrainConfig(learning_rate=1e-3), graph)
-    refresher = RewardModelRefresher(trainer, TOK, max_len=L, every=3, steps=2, batch_size=16,
+    trainer = rm_trainer(TrainConfig(learning_rate=3e-3), graph)
+    refresher = RewardModelRefresher(trainer, TOK, max_len=L, every=3, steps=4, batch_size=16,
                                      buffer_size=20)  # fmt: skip
+    # The rollouts' verifier now says the opposite of what the fixture learned: even is right.
     traces = [
-        Trace(f"t{i}", "d", f"q{i}", f"{i}<answer>{2 * i + k}", "correct" if k else "wrong")
+        Trace(f"t{i}", "d", f"q{i}", f"{i}<answer>{2 * i + k}", "wrong" if k else "correct")
         for i in range(12) for k in (0, 1)
     ]  # fmt: skip
     refresher.add(traces)
-    assert len(refresher.traces) == 20  # only the newest are kept
+    assert refresher.traces == traces[-20:]  # only the newest are kept: prompts 2 to 11
+    newest = _batch([
+        PreferencePair(f"q{i}", f"{i}<answer>{2 * i}", f"{i}<answer>{2 * i + 1}")
+        for i in range(2, 12)
+    ])  # fmt: skip
+    before = jax.device_get(trainer.evaluate(state.params, newest))
+    assert before["accuracy"] == 0.0  # the fixture ranks every new pair the wrong way round
     same, metrics = refresher.maybe_refresh(2, state, jax.random.key(0))
     assert same is state and metrics == {}
     new, metrics = refresher.maybe_refresh(3, state, jax.random.key(0))
-    assert metrics["rm/refresh_pairs"] == 10 and int(new.step) == step + 2
+    assert metrics["rm/refresh_pairs"] == 10 and int(new.step) == step + 4
     assert np.isfinite(metrics["rm/refresh_loss"])
+    # Four steps on the new verdicts cut the Bradley-Terry loss on them by a quarter at least
+    # (8.2 to 4.1 at this seed); steps that ignored or reversed the traces would not.
+    after = jax.device_get(trainer.evaluate(new.params, newest))
+    assert after["loss"] < 0.75 * before["loss"]
+
+
+def _expected_composite(outcome, rm_scores, step_probs, lengths, steps, *, eps=1e-6, clip=5.0):
+    """``assemble_rewards`` for outcome 1, reward model 0.5, process 0.5 ("min"), by hand.
+
+    The first batch sets the running moments, so each learned term is normalised by its
+    own batch's mean and population variance (over rows, and over step tokens).
+    """
+    expected = np.zeros((len(lengths), 32))
+    rm_z = np.clip((rm_scores - rm_scores.mean()) / np.sqrt(rm_scores.var() + eps), -clip, clip)
+    flat = np.concatenate([step_probs[b] for b in range(len(lengths))])
+    mean, var = flat.mean(), flat.var()
+    for b, n in enumerate(lengths):
+        expected[b, n - 1] += outcome[b] + 0.5 * rm_z[b]
+        z = np.clip((step_probs[b] - mean) / np.sqrt(var + eps), -clip, clip)
+        for j, col in enumerate(steps[b]):
+            # PURE: the return from step j is the minimum of the rewards of steps j onwards.
+            after = min(z[j + 1 :]) if j + 1 < len(z) else 0.0
+            expected[b, col] += 0.5 * (min(z[j:]) - after)
+    return expected
 
 
 def test_rollout_scores_feed_the_composite_reward(rm_run):
@@ -169,16 +201,39 @@ def test_rollout_scores_feed_the_composite_reward(rm_run):
     )(prm_params, batch)
     assert scores.shape == (2,) and probs.shape == steps.shape == (2, 32)
     # Row 0 has two steps: the <step> and the final <answer>; row 1 only the answer.
-    np.testing.assert_array_equal(np.flatnonzero(np.asarray(steps[0])), [5, 11])
-    np.testing.assert_array_equal(np.flatnonzero(np.asarray(steps[1])), [0])
+    step_cols = [[5, 11], [0]]
+    for b in range(2):
+        np.testing.assert_array_equal(np.flatnonzero(np.asarray(steps[b])), step_cols[b])
+
+    # Reference scores: each prompt + response scored alone, with no padding at all.
+    rm_model = nnx.merge(rm_graph, rm_state.params)
+    prm_model = nnx.merge(prm_graph, prm_params)
+    ref_rm, ref_probs = np.zeros(2), []
+    for b, (prompt, response) in enumerate(zip(prompts, responses)):
+        row = jnp.asarray([list(prompt) + list(response)], jnp.int32)
+        ref_rm[b] = float(rm_model(row)[0])
+        logits, _ = prm_model(row)
+        cols = len(prompt) + np.asarray(step_cols[b])
+        ref_probs.append(np.asarray(jax.nn.sigmoid(logits[0, cols])))
+    # float32 attention over padded and unpadded rows agrees to rounding.
+    np.testing.assert_allclose(np.asarray(scores), ref_rm, rtol=1e-4, atol=1e-5)
+    for b in range(2):
+        got = np.asarray(probs[b])[step_cols[b]]
+        np.testing.assert_allclose(got, ref_probs[b], rtol=1e-4, atol=1e-5)
+
     cfg = RewardConfig(outcome=1.0, reward_model=0.5, process=0.5)
+    outcome = np.array([1.0, 0.0])
     rewards, _, metrics = jax.jit(
         lambda n, m, s, p, k: assemble_rewards(
-            cfg, n, m, outcome=jnp.array([1.0, 0.0]), reward_model=s, process=p, step_mask=k
+            cfg, n, m, outcome=jnp.asarray(outcome), reward_model=s, process=p, step_mask=k
         )
     )(init_norm_state(), batch.response_mask, scores, probs, steps)
-    assert rewards.shape == (2, 32) and np.isfinite(np.asarray(rewards)).all()
-    assert {"reward/outcome", "reward/reward_model", "reward/process"} <= set(metrics)
+    expected = _expected_composite(
+        outcome, ref_rm, ref_probs, [len(r) for r in responses], step_cols
+    )
+    # float32 rounding of the scores, divided by the learned terms' small batch spread.
+    np.testing.assert_allclose(np.asarray(rewards), expected, atol=1e-5)
+    assert float(metrics["reward/total"]) == pytest.approx(expected.sum() / 2, abs=1e-5)
 
 
 def test_decay_schedule_must_outlast_its_warmup():

@@ -1,4 +1,4 @@
-"""ppo_gym: episode-end handling by hand, then one runlocal smoke run end to end."""
+"""ppo_gym: episode ends by hand, a runlocal smoke run end to end, and PPO beating random."""
 
 import json
 import math
@@ -112,3 +112,28 @@ def test_smoke_run_evaluates_and_returns_final_metrics(smoke_run):
     assert result["eval/episode_return"] == lines[-1]["eval/episode_return"] > 0
     assert result["train/env_steps_to_target"] is None
     json.dumps(result)
+
+
+def _random_act(params, obs, key, step):
+    """The uniform random policy, in `act`'s calling convention for `ppo_gym.evaluate`."""
+    del params
+    actions = jax.random.randint(jax.random.fold_in(key, step), (obs.shape[0],), 0, 2)
+    return actions, None, None
+
+
+def test_ppo_beats_the_random_policy_on_the_same_episodes(tmp_path):
+    config = cartpole_ppo.get_config("runlocal")
+    # The runlocal run (2048 steps at lr 2.5e-4) only ties random. Four times the steps and
+    # a higher rate reach a mean eval return of 90 to 450 over seeds 0-4 (random: about 21).
+    with config.unlocked():
+        config.total_env_steps = 8192
+        config.learning_rate = 1e-3
+        config.num_epochs = 4
+    result = ppo_gym.train_and_evaluate(config, str(tmp_path))
+    # `evaluate` seeds its envs from the config, so both policies start the same episodes.
+    random_returns = ppo_gym.evaluate(
+        config, _random_act, None, jax.random.key(0), config.eval_episodes
+    )
+    assert len(random_returns) == result["eval/episodes"] == config.eval_episodes
+    # Seed 0: 212.6 against 26.5 over these 8 episodes.
+    assert result["eval/episode_return"] > 3 * np.mean(random_returns)
