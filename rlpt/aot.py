@@ -1,7 +1,15 @@
 """Ahead-of-time compile of the PPO step for a mesh, on fake devices, before paying for a pod.
 
+    python -m rlpt.aot --config=experiments/demo.py --devices=64   # a run's own settings
     python -m rlpt.aot --preset=llama-1b --devices=64 --data=8 --fsdp=8 --tensor=1 \
         --batch=64 --prompt_len=256 --gen_len=768
+
+With ``--config`` the model, the PPO settings, the batch (``rollout.batch_size``
+sequences of the widest prompt bucket plus ``rollout.max_new_tokens``) and the mesh
+(``mesh.*``; ``--data/--fsdp/--tensor`` given on the command line replace it) come
+from the experiment file, parsed and checked exactly as ``rlpt.train`` does. Packed
+rows (``ppo.pack_sequences``) are compiled as padded rows of the same batch: packing
+only removes padding, so the padded layout bounds its memory.
 
 Lowers and compiles the PPO update (policy and critic, the given microbatching)
 for the requested mesh on ``--devices`` fake host devices, allocating nothing,
@@ -12,10 +20,16 @@ The last line of standard output is JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "An experiments/NAME.py config: compile its own PPO step.", lock_config=True
+)
 
 _PRESET = flags.DEFINE_string("preset", "tiny", "Model preset.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Fake devices to compile for.")
@@ -42,6 +56,7 @@ def compile_ppo_step(
     grad_accum: int = 1,
     remat: bool = False,
     critic: bool = True,
+    ppo=None,
 ) -> dict:
     """Compile the PPO update for ``mesh_shape`` on the current devices; memory per device."""
     import jax
@@ -54,10 +69,15 @@ def compile_ppo_step(
 
     config = get_preset(preset, remat=remat, max_seq_len=max(prompt_len + gen_len, 1))
     mesh = make_mesh(*mesh_shape)
-    ppo = PPOConfig(
-        num_minibatches=num_minibatches, grad_accum=grad_accum,
-        estimator="gae" if critic else "grpo",
-    )  # fmt: skip
+    if ppo is None:
+        ppo = PPOConfig(
+            num_minibatches=num_minibatches, grad_accum=grad_accum,
+            estimator="gae" if critic else "grpo",
+        )  # fmt: skip
+    else:
+        # A packed update is planned from real rollouts; padded rows bound its memory.
+        ppo = dataclasses.replace(ppo, pack_sequences=False)
+        critic = ppo.uses_critic
     check_batch_layout(ppo, batch, mesh)
     policy_graph, policy = abstract_model(lambda r: CausalLM(config, rngs=r))
     value_graph, value = abstract_model(lambda r: ValueModel(config, rngs=r))
@@ -117,6 +137,9 @@ def main(argv):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from rlpt.parallel import resolve_mesh_shape
 
+    if _CONFIG.value is not None:
+        print(json.dumps(_compile_config(_CONFIG.value)))
+        return
     shape = resolve_mesh_shape(_DEVICES.value, _DATA.value, _FSDP.value, _TENSOR.value)
     report = compile_ppo_step(
         _PRESET.value, mesh_shape=shape, batch=_BATCH.value, prompt_len=_PROMPT_LEN.value,
@@ -124,6 +147,32 @@ def main(argv):
         grad_accum=_GRAD_ACCUM.value, remat=_REMAT.value, critic=_CRITIC.value,
     )  # fmt: skip
     print(json.dumps(report))
+
+
+def _compile_config(config) -> dict:
+    """The PPO step of an experiment config, on its own mesh (or the flags' axes)."""
+    from rlpt.config import ConfigError, parse_config
+    from rlpt.parallel import resolve_mesh_shape
+
+    try:
+        typed = parse_config(config)
+        if typed.model.hf_path:
+            raise ConfigError("rlpt.aot --config compiles a preset model; model.hf_path is set")
+        mesh = typed.mesh
+        sizes = {name: getattr(mesh, name) for name in ("data", "fsdp", "tensor")}
+        for name, flag in (("data", _DATA), ("fsdp", _FSDP), ("tensor", _TENSOR)):
+            if flags.FLAGS[flag.name].present:
+                sizes[name] = flag.value
+        shape = resolve_mesh_shape(_DEVICES.value, **sizes)
+    except (ConfigError, ValueError) as e:
+        raise app.UsageError(str(e)) from None
+    report = compile_ppo_step(
+        typed.model.preset, mesh_shape=shape, batch=typed.rollout.batch_size,
+        prompt_len=max(typed.rollout.buckets), gen_len=typed.rollout.max_new_tokens,
+        remat=_REMAT.value, ppo=typed.ppo,
+    )  # fmt: skip
+    report["rows"] = "padded"
+    return report
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ from rlpt.rl.kl import KL_KINDS
 from rlpt.rl.ppo import PPOConfig
 
 STAGES = ("sft", "rm", "prm", "ppo", "sft_continued")
+# Fields that steer how a run is executed, not what it computes: a resumed run may
+# change them without being "a different config".
+RUN_CONTROL_FIELDS = ("overwrite", "stop_after_step", "logging", "profile")
 SANDBOX_BACKENDS = ("local", "ray")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 DEMO_DOMAINS = ("arithmetic", "stepwise_math", "program_synthesis")
@@ -930,6 +933,7 @@ def _plain(obj: Any) -> Any:
 
 __all__ = [
     "CONFIG_TYPES",
+    "RUN_CONTROL_FIELDS",
     "STAGES",
     "CheckpointSection",
     "ConfigError",

@@ -24,6 +24,7 @@ output. ``--adapter`` picks one of several LoRA adapters trained over the same b
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -34,10 +35,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
 from rlpt import policy as policy_lib
+from rlpt.config import PostTrainConfig, parse_config
 from rlpt.runfiles import atomic_write_json
 from rlpt.sampling import DEFAULT_BUCKETS, Sampler, SamplingParams
 from rlpt.tasks import Domain, Task, VerifyResult
@@ -374,11 +375,10 @@ def evaluate_hf(
     """Evaluates a Hugging Face directory or an rlpt interop checkpoint (with ``adapter``)."""
     from rlpt.interop.checkpoint import load_for_sampling
 
-    config = ml_collections.ConfigDict({
-        "seed": seed, "domains": tuple(domains),
+    config = parse_config({
+        "trainer": "post_train", "seed": seed, "domains": tuple(domains),
         "train_max_level": {"default": max_level},
-        "sandbox": {"workers": 2, "timeout_s": 1.0, "memory_mb": 256},
-        "rollout": {"max_new_tokens": max_new_tokens},
+        "rollout": {"max_new_tokens": max_new_tokens, "buckets": DEFAULT_BUCKETS},
         "eval": {"heldout_items": heldout_items, "ood_items": ood_items, "train_items": train_items,
                  "n_samples": n_samples, "k": k, "batch_size": batch_size, "seed": seed},
     })  # fmt: skip
@@ -393,7 +393,7 @@ def make_eval_data(config, domains):
     return make_eval_sets(
         domains, policy_lib.train_levels(config, domains), heldout_items=config.eval.heldout_items,
         ood_items=config.eval.ood_items, seed=config.eval.seed,
-        train_items=int(config.eval.get("train_items", 0) or 0),
+        train_items=config.eval.train_items,
     )  # fmt: skip
 
 
@@ -427,9 +427,8 @@ def evaluate_checkpoint(
         raise ValueError(f"eval_overrides: unknown field(s) {unknown}; allowed: {EVAL_OVERRIDES}")
     run = policy_lib.restore_policy(workdir)
     config, mcfg = run.config, run.model_cfg
-    if overrides:
-        config = ml_collections.ConfigDict(config.to_dict())
-        config.eval.update(overrides)  # the Evaluator checks n_samples and k
+    if overrides:  # checked as the run's own eval section is
+        config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, **overrides))
     graph, params = run.graph, run.params
     if adapter is not None:
         from rlpt.interop.checkpoint import load_adapter
@@ -444,7 +443,7 @@ def evaluate_checkpoint(
 
 
 def evaluate_policy(
-    config: ml_collections.ConfigDict,
+    config: PostTrainConfig,
     domains: Mapping[str, Domain],
     model_cfg,
     tokenizer: Tokenizer,
@@ -455,12 +454,11 @@ def evaluate_policy(
     """Held-out and OOD results of the policy ``(graph, state)`` under ``config.eval``."""
     pool = None
     if any(d.needs_sandbox for d in domains.values()):
-        from rlpt.sandbox import SandboxPool
+        from rlpt.sandbox import pool_from_config
 
-        pool = SandboxPool(workers=config.sandbox.workers, timeout_s=config.sandbox.timeout_s,
-                           memory_mb=config.sandbox.memory_mb)  # fmt: skip
+        pool = pool_from_config(config.sandbox)
     try:
-        buckets = tuple(config.rollout.get("buckets", DEFAULT_BUCKETS))
+        buckets = tuple(config.rollout.buckets)
         sampler = Sampler(
             graph, model_cfg, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, buckets=buckets
         )

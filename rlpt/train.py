@@ -74,8 +74,12 @@ def train_and_evaluate(
     return train_fn(_trainer_config(typed), workdir)
 
 
-def _trainer_config(typed: Any) -> ml_collections.ConfigDict:
-    """The parsed config, derived values filled in, as the ConfigDict the trainers read."""
+def _trainer_config(typed: Any) -> Any:
+    """What the trainer reads: the typed config itself for post-training; for the gym
+    trainer, whose jitted functions take the config as a static ConfigDict, the parsed
+    values (derived ones filled in) as a locked ConfigDict."""
+    if isinstance(typed, PostTrainConfig):
+        return typed
     data = dataclasses.asdict(typed)
     if "model" in data and data["model"].get("hf_path") is None:
         # The trainers read the presence of model.hf_path as "a Hugging Face run".

@@ -24,3 +24,15 @@ def test_impossible_layouts_are_refused_naming_the_fields():
     assert out.returncode != 0 and "mesh sizes" in out.stderr
     out = _aot("--devices=8", "--data=8", "--batch=4")
     assert out.returncode != 0 and "data-parallel" in out.stderr
+
+
+def test_an_experiment_config_compiles_its_own_ppo_step():
+    # The runlocal demo's step (tiny model, 8 sequences, GRPO) on a mesh given in part by
+    # flags over the config's own mesh section.
+    out = _aot("--config=experiments/demo.py:runlocal", "--devices=4", "--data=2", "--fsdp=2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1} and report["preset"] == "tiny"
+    assert report["batch"] == 8 and report["seq"] == 64 + 16  # widest bucket + max_new_tokens
+    out = _aot("--config=experiments/demo.py:runlocal", "--config.ppo.clip_low=-1")
+    assert out.returncode != 0 and "ppo.clip_low must be in (0, 1), got -1" in out.stderr

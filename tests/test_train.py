@@ -117,7 +117,7 @@ def test_the_trainer_gets_the_derived_values(tmp_path, monkeypatch):
     [passed] = calls
     # Hand-worked: 5 PPO steps, 1 epoch, 1 minibatch (the runlocal shape).
     assert passed.ppo.total_steps == 5 and passed.ppo.num_groups == 8 // 4
-    assert "hf_path" not in passed.model  # the trainer reads its presence as a HF run
+    assert passed.model.hf_path is None  # a preset model, not a Hugging Face run
     with open(tmp_path / "run" / "config.json", encoding="utf-8") as f:
         assert json.load(f)["ppo"]["total_steps"] == 5
 

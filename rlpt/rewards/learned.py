@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlpt.models import ProcessRewardModel, RewardModel, create_model
+from rlpt.parallel import batch_sharding, replicated, state_shardings
+from rlpt.parallel.multihost import to_device
 from rlpt.rewards.composite import NormState, RewardConfig, assemble_rewards, init_norm_state
 from rlpt.rewards.monitor import MonitorConfig, RewardMonitor, _DomainStats
 from rlpt.rewards.preferences import Trace, traces_from_results
@@ -67,28 +69,27 @@ class LearnedRewards:
     rm_state: Any = None  # ModelTrainState while refreshing
     refresher: RewardModelRefresher | None = None
     prm_likelihood: bool = False  # the process reward model adds each step's log-likelihood
+    mesh: Any = None  # the run's mesh: scoring runs sharded on it
 
     @classmethod
     def from_config(cls, config, tokenizer) -> LearnedRewards:
+        """From a run config's ``rewards``, ``reward_model`` and ``process_reward``."""
         r = config.rewards
         cfg = RewardConfig(
-            outcome=1.0, reward_model=r.get("reward_model", 0.0), process=r.get("process", 0.0),
-            process_aggregation=r.get("process_aggregation", "min"),
-            clip=r.get("learned_clip", 5.0),
+            outcome=1.0, reward_model=r.reward_model, process=r.process,
+            process_aggregation=r.process_aggregation, clip=r.learned_clip,
         )  # fmt: skip
-        rm = config.get("reward_model") or {}
-        prm = config.get("process_reward") or {}
         return cls(
             cfg, RewardMonitor(MonitorConfig()), tokenizer.step_id, tokenizer.answer_id,
-            rm_likelihood=bool(rm.get("likelihood", False)),
-            prm_likelihood=bool(prm.get("likelihood", False)),
-            rm_config=rm or None, tokenizer=tokenizer,
+            rm_likelihood=bool(config.reward_model.likelihood),
+            prm_likelihood=bool(config.process_reward.likelihood),
+            rm_config=config.reward_model, tokenizer=tokenizer,
         )  # fmt: skip
 
     @property
     def refreshing(self) -> bool:
         """Whether the reward model is retrained on the newest traces during PPO."""
-        return bool(self.rm_config and int(self.rm_config.get("refresh_every", 0)))
+        return bool(self.rm_config is not None and int(self.rm_config.refresh_every))
 
     def start_refresh(self, trainer, state, max_len: int) -> None:
         """Keep the reward model's trainer and state (parameters and optimiser) to refresh."""
@@ -126,6 +127,16 @@ class LearnedRewards:
         return (self.rm_params is not None and self.reward_config.reward_model != 0) or (
             self.prm_params is not None and self.reward_config.process != 0
         )
+
+    def _place(self) -> None:
+        """Models and normaliser on the run's mesh (a no-op for what already is), so the
+        scoring steps see one set of devices however the arrays were made or restored."""
+        params = lambda tree: None if tree is None else to_device(
+            tree, state_shardings(tree, self.mesh)
+        )  # fmt: skip
+        self.rm_params = params(self.rm_params)
+        self.prm_params = params(self.prm_params)
+        self.norm = to_device(self.norm, replicated(self.mesh))
 
     def set_rm(self, graph, params) -> None:
         self.rm_graph, self.rm_params = graph, params
@@ -190,6 +201,10 @@ class LearnedRewards:
     def apply(self, batch, domain_names, success, valid):
         """The batch with learned terms in its rewards, ``reward/*`` and ``monitor/*``
         metrics, and the per-domain confidence for the curriculum."""
+        if self.mesh is not None:
+            self._place()
+            batch = to_device(batch, jax.tree.map(lambda x: batch_sharding(self.mesh, x.ndim),
+                                                  batch))  # fmt: skip
         rm_scores = process = steps = None
         if self.rm_params is not None and self.reward_config.reward_model:
             rm_scores = _rm_scores(self.rm_graph, self.rm_params, batch)

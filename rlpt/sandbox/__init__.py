@@ -4,7 +4,7 @@
 safe to create from a process that has already imported JAX.
 """
 
-from rlpt.sandbox.backends import BACKENDS, RayPool, make_pool
+from rlpt.sandbox.backends import BACKENDS, RayPool, make_pool, pool_from_config
 from rlpt.sandbox.pool import IsolationUnavailable, SandboxPool, outputs_match
 from rlpt.sandbox.types import ExecutionRequest, ExecutionResult, IOCase, Status
 
@@ -18,5 +18,6 @@ __all__ = [
     "SandboxPool",
     "Status",
     "make_pool",
+    "pool_from_config",
     "outputs_match",
 ]

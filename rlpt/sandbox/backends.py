@@ -294,3 +294,13 @@ def _error(req: ExecutionRequest, isolation: str, why: str) -> ExecutionResult:
     return ExecutionResult(
         id=req.id, status=Status.SANDBOX_ERROR, isolation=isolation, details={"reason": why}
     )
+
+
+def pool_from_config(sandbox) -> SandboxPool | RayPool:
+    """``make_pool`` for a run config's ``sandbox`` section (``backend``, ``workers``,
+    ``timeout_s``, ``memory_mb``, ``allow_unisolated``)."""
+    get = sandbox.get if hasattr(sandbox, "get") else lambda k, d=None: getattr(sandbox, k, d)
+    return make_pool(
+        get("backend", "local"), workers=get("workers"), timeout_s=get("timeout_s"),
+        memory_mb=get("memory_mb"), allow_unisolated=bool(get("allow_unisolated", False)),
+    )  # fmt: skip

@@ -56,59 +56,6 @@ class RewardStageInputs:
     learned: LearnedRewards
 
 
-def check_config(config) -> None:
-    """Learned-reward settings that are wrong fail here, before anything compiles."""
-    stages = tuple(config.stages)
-    r = config.rewards
-    if r.get("reward_model", 0.0) and "rm" not in stages:
-        raise ValueError(
-            f"rewards.reward_model is {r.reward_model} but config.stages {stages} has no 'rm' "
-            "stage to train a reward model"
-        )
-    if r.get("process", 0.0) and "prm" not in stages:
-        raise ValueError(
-            f"rewards.process is {r.process} but config.stages {stages} has no 'prm' stage "
-            "to train a process reward model"
-        )
-    if "rm" in stages:
-        if "reward_model" not in config:
-            raise ValueError("stage 'rm' needs a config.reward_model section")
-        for field in ("steps", "batch_size", "pairs_per_level", "heldout_pairs"):
-            if int(config.reward_model[field]) < 1:
-                raise ValueError(f"reward_model.{field} must be >= 1")
-        rm = config.reward_model
-        if int(rm.get("refresh_every", 0)) < 0:
-            raise ValueError(f"reward_model.refresh_every must be >= 0, got {rm.refresh_every}")
-        if int(rm.get("refresh_every", 0)):
-            for field in ("refresh_steps", "refresh_batch_size", "refresh_buffer"):
-                if int(rm.get(field, 0)) < 1:
-                    raise ValueError(
-                        f"reward_model.{field} must be >= 1 when reward_model.refresh_every > 0"
-                    )
-    if "prm" in stages:
-        if "process_reward" not in config:
-            raise ValueError("stage 'prm' needs a config.process_reward section")
-        p = config.process_reward
-        if p.domain not in tuple(config.domains):
-            raise ValueError(
-                f"process_reward.domain {p.domain!r} is not one of config.domains "
-                f"{tuple(config.domains)}"
-            )
-        if p.label not in ("soft", "hard"):
-            raise ValueError(f"process_reward.label must be 'soft' or 'hard', got {p.label!r}")
-        for field in ("steps", "batch_size", "label_tasks", "continuations", "heldout_tasks"):
-            if int(p[field]) < 1:
-                raise ValueError(f"process_reward.{field} must be >= 1")
-    for stage in ("rm", "prm"):
-        if stage in stages and ("ppo" in stages and stages.index(stage) > stages.index("ppo")):
-            raise ValueError(f"stage {stage!r} must come before 'ppo' in config.stages {stages}")
-    from rlpt.rewards.composite import RewardConfig
-
-    RewardConfig(
-        process_aggregation=r.get("process_aggregation", "min"), clip=r.get("learned_clip", 5.0)
-    )
-
-
 def _batches(n: int, batch_size: int, steps: int, rng: np.random.Generator):
     for _ in range(steps):
         yield rng.integers(0, n, size=batch_size)
@@ -125,7 +72,7 @@ def _chunked(fn, params, arrays: Mapping[str, np.ndarray], chunk: int = 256) -> 
 
 def _answer_domains(run: RewardStageInputs, names) -> list[str]:
     picked = [n for n in names if n in run.domains]
-    if not picked and not run.config.reward_model.get("pairs_jsonl"):
+    if not picked and not run.config.reward_model.pairs_jsonl:
         raise ValueError(
             f"reward_model.domains {tuple(names)} names none of the run's domains "
             f"{tuple(run.domains)} and reward_model.pairs_jsonl is empty: no pairs to train on"
@@ -142,7 +89,7 @@ def rm_stage(ctx: StageContext, run: RewardStageInputs) -> None:
     seed = run.config.seed
     policy = run.policy_params
     graph, params = create_model(
-        lambda rngs: RewardModel(run.model_cfg, likelihood=c.get("likelihood", False), rngs=rngs),
+        lambda rngs: RewardModel(run.model_cfg, likelihood=c.likelihood, rngs=rngs),
         jax.random.fold_in(ctx.keys["init"], 11),
     )
     params = with_trunk(params, policy)
@@ -155,7 +102,7 @@ def rm_stage(ctx: StageContext, run: RewardStageInputs) -> None:
             train_pairs += correctness_pairs(dom, tasks, seed=seed + level)
             held = dom.tasks("heldout", c.heldout_pairs, level, seed=seed + 202)
             heldout.setdefault(name, []).extend(correctness_pairs(dom, held, seed=seed + 7))
-    if c.get("pairs_jsonl"):
+    if c.pairs_jsonl:
         user_pairs, skipped = load_preferences(c.pairs_jsonl, on_error="skip")
         if skipped.total:
             logging.warning("reward_model.pairs_jsonl: skipped %s", skipped)
@@ -265,7 +212,7 @@ def prm_stage(ctx: StageContext, run: RewardStageInputs) -> None:
         lambda rngs: ProcessRewardModel(
             run.model_cfg,
             tok.step_id,
-            likelihood=c.get("likelihood", False),
+            likelihood=c.likelihood,
             answer_token_id=tok.answer_id,
             rngs=rngs,
         ),

@@ -26,20 +26,19 @@ everything the run needs to continue exactly: rerunning the same command resumes
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 from absl import logging
 
 from rlpt import checkpoint as ckpt_lib
 from rlpt import policy as policy_lib
-from rlpt.data import CurriculumLoader, make_curriculum, make_source
-from rlpt.eval import Evaluator, check_sampling, make_eval_data
+from rlpt.config import RUN_CONTROL_FIELDS, PostTrainConfig, parse_config
+from rlpt.data import Curriculum, CurriculumLoader, make_source
+from rlpt.eval import Evaluator, make_eval_data
 from rlpt.metrics import (
     METRICS_FILE,
     PROFILE_DIR,
@@ -51,11 +50,12 @@ from rlpt.metrics import (
 )
 from rlpt.parallel import make_mesh
 from rlpt.parallel.multihost import to_global
-from rlpt.policy import RUN_CONFIG_FILE, PPOConfig, adapter_name, full_policy
+from rlpt.policy import RUN_CONFIG_FILE, adapter_name, full_policy
 from rlpt.rewards.learned import LearnedRewards
 from rlpt.roles import COUNTERS, PPOLearner, RewardRole, RolloutWorker, make_rule_reward
 from rlpt.runfiles import atomic_write_json, check_workdir, read_json, set_aside_run_files
-from rlpt.sampling import DEFAULT_BUCKETS, Sampler, SamplingParams
+from rlpt.sampling import Sampler, SamplingParams
+from rlpt.sandbox import pool_from_config
 from rlpt.tasks import Verifier
 from rlpt.trainers import learned_rewards
 from rlpt.trainers import sft as sft_lib
@@ -67,14 +67,10 @@ from rlpt.trainers.sft_stage import SFTStage
 # (``python -m rlpt.interop.hf export DIR/model OUT [--adapter=NAME]``).
 MODEL_DIR = "model"
 SUMMARY_FILE = "summary.json"
-# Fields that steer how a run is executed, not what it computes: a resumed run may
-# change them without being "a different config".
-RUN_CONTROL_FIELDS = ("overwrite", "stop_after_step", "logging", "profile")
-STAGES = ("sft", "rm", "prm", "ppo", "sft_continued")
 KEY_NAMES = ("init", "value_init", "rollout", "eval", "ppo", "rm_refresh")
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(config: PostTrainConfig | Any, workdir: str) -> dict[str, Any]:
     """Runs (or resumes) the post-training run ``config`` in ``workdir``; returns the summary."""
     run = PostTrainRun(config, workdir)
     try:
@@ -83,24 +79,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         run.close()
 
 
-def _plain(config: Any) -> Any:
-    return config.to_dict() if hasattr(config, "to_dict") else config
-
-
-def run_identity(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def run_identity(config: PostTrainConfig) -> dict[str, Any]:
     """The config as JSON-able data without the run-control fields."""
-    data = json.loads(config.to_json_best_effort(sort_keys=True))
+    data = config.to_dict()
     for name in RUN_CONTROL_FIELDS:
         data.pop(name, None)
     return data
-
-
-def mesh_sizes(config) -> dict[str, int]:
-    """``config.mesh``'s axis sizes (-1: the rest of the devices); all data-parallel
-    when the config has no mesh section."""
-    mesh = _plain(config.get("mesh", None)) or {}
-    return {"data": mesh.get("data", -1), "fsdp": mesh.get("fsdp", 1),
-            "tensor": mesh.get("tensor", 1)}  # fmt: skip
 
 
 def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -112,40 +96,21 @@ def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix.rstrip(".")]
 
 
-def check_rollout_config(config: ml_collections.ConfigDict, ppo_cfg: PPOConfig) -> None:
-    """Errors in ``config.rollout`` that would otherwise surface mid-run."""
-    r = config.rollout
-    if r.get("filter_groups", False):
-        if ppo_cfg.uses_critic:
-            raise ValueError(
-                "rollout.filter_groups drops groups whose rewards are all equal, which only "
-                "have zero advantage under a group estimator; ppo.estimator is "
-                f"{ppo_cfg.estimator!r} (use grpo, dr_grpo or rloo, or set "
-                "rollout.filter_groups=False)"
-            )
-        if int(r.get("filter_max_rounds", 1)) < 1:
-            raise ValueError(f"rollout.filter_max_rounds must be >= 1, got {r.filter_max_rounds}")
-
-
 class PostTrainRun:
     """One post-training run: its roles, stages, checkpoint and files; ``run()`` executes
     or resumes it."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    def __init__(self, config: PostTrainConfig | Any, workdir: str):
+        # Parsed (and so checked) once, before the workdir is claimed; a typed config
+        # passes through as it is.
+        config = parse_config(config)
         self.config = config
         self.workdir = os.path.abspath(workdir)
         self.start_time = time.perf_counter()
         self._elapsed_before = 0.0
-        for stage in config.stages:
-            if stage not in STAGES:
-                raise ValueError(f"unknown stage {stage!r}; allowed: {STAGES}")
-        # Config errors surface before the workdir is claimed by this config.
         rule_reward = make_rule_reward(config.rewards)
-        learned_rewards.check_config(config)
-        self.lora = policy_lib.lora_config(config)
-        self.ppo_cfg = policy_lib.ppo_config(config)
-        check_rollout_config(config, self.ppo_cfg)
-        check_sampling(config.eval.n_samples, config.eval.k)
+        self.lora = config.model.lora.lora_config()
+        self.ppo_cfg = config.ppo  # derived fields (num_groups, total_steps) filled in
         self.model_cfg = policy_lib.model_config(config)
         self.domains = policy_lib.make_domains(config)
         self._check_workdir()
@@ -172,23 +137,21 @@ class PostTrainRun:
         self._peak: float | None = None
         # One mesh for every role: sampling, scoring and the update are sharded by the
         # logical-axis rules over it.
-        self.mesh = make_mesh(**mesh_sizes(config))
-        buckets = tuple(config.rollout.get("buckets", DEFAULT_BUCKETS))
+        self.mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+        buckets = tuple(config.rollout.buckets)
         self.sampler = Sampler(
             self.policy_graph, self.model_cfg, eos_id=self.tokenizer.eos_id,
             pad_id=self.tokenizer.pad_id, buckets=buckets, mesh=self.mesh,
         )  # fmt: skip
 
         # Reward: verifiers (sandboxed domains in the pool), rule terms, learned terms.
-        self.pool = None
-        if any(d.needs_sandbox for d in self.domains.values()):
-            from rlpt.sandbox import SandboxPool
-
-            sb = config.sandbox
-            self.pool = SandboxPool(workers=sb.workers, timeout_s=sb.timeout_s,
-                                    memory_mb=sb.memory_mb)  # fmt: skip
+        # Each process runs its own share of the model-written code in its own pool.
+        self.pool = pool_from_config(config.sandbox) if any(
+            d.needs_sandbox for d in self.domains.values()
+        ) else None  # fmt: skip
         verifier = Verifier(self.domains, self.pool)
         self.learned = LearnedRewards.from_config(config, self.tokenizer)
+        self.learned.mesh = self.mesh
         self.reward = RewardRole(verifier, rule_reward, self.learned, self.meta["counters"])
 
         # Evaluation.
@@ -204,7 +167,7 @@ class PostTrainRun:
 
         # SFT: demonstrations and their fixed length (the token budget decides the steps).
         s = config.sft
-        examples = sft_lib.read_jsonl_examples(s.jsonl) if s.get("jsonl") else None
+        examples = sft_lib.read_jsonl_examples(s.jsonl) if s.jsonl else None
         stream = sft_lib.ExampleStream(
             self.tokenizer, batch_size=s.batch_size, max_len=s.max_len, domains=self.domains,
             levels=self.levels, examples=examples, seed=config.seed,
@@ -248,9 +211,8 @@ class PostTrainRun:
             keep=config.checkpoint.keep, async_save=config.checkpoint.async_save,
         )  # fmt: skip
         self.writer = self._metric_writer()
-        profile = _plain(config.get("profile", {}))
         self.profiler = StepProfiler(
-            profile.get("steps", ()), profile.get("dir") or os.path.join(self.workdir, PROFILE_DIR)
+            config.profile.steps, config.profile.dir or os.path.join(self.workdir, PROFILE_DIR)
         )
 
     def context(self) -> StageContext:
@@ -259,8 +221,8 @@ class PostTrainRun:
             meta=self.meta, keys=self.keys, writer=self._write, save=self.save,
             elapsed=self._elapsed, profiler=self.profiler,
             checkpoint_every=self.config.checkpoint.every,
-            progress_enabled=_plain(self.config.get("logging", {})).get("progress_bar", None),
-            stop_after_step=self.config.get("stop_after_step"),
+            progress_enabled=self.config.logging.progress_bar,
+            stop_after_step=self.config.stop_after_step,
         )  # fmt: skip
 
     # -- workdir: refuse a different run, resume the same one -------------------------------
@@ -277,7 +239,7 @@ class PostTrainRun:
         if os.path.exists(path):
             stored = read_json(path)
             if stored != identity:
-                if not self.config.get("overwrite", False):
+                if not self.config.overwrite:
                     if writes:
                         # train.py already wrote the new config.json; put the run's own back.
                         atomic_write_json(os.path.join(self.workdir, "config.json"), stored,
@@ -303,8 +265,8 @@ class PostTrainRun:
         sources = {
             name: make_source(name, {"kind": "procedural", "seed": c.seed}) for name in c.domains
         }
-        curriculum = make_curriculum(
-            c.curriculum, list(sources), max_levels=[self.levels[n] for n in sources],
+        curriculum = Curriculum(
+            list(sources), c.curriculum, max_levels=[self.levels[n] for n in sources],
             sizes=[s.size for s in sources.values()],
         )  # fmt: skip
         return CurriculumLoader(
@@ -319,7 +281,7 @@ class PostTrainRun:
         """FLOP/s that ``time/mfu`` divides by: ``logging.peak_flops`` (per device,
         times the devices) if set, else a matmul rate measured once on this device."""
         if self._peak is None:
-            per_device = _plain(self.config.get("logging", {})).get("peak_flops") or 0.0
+            per_device = self.config.logging.peak_flops or 0.0
             self._peak = (
                 per_device * jax.device_count() if per_device
                 # Host "devices" of the CPU backend share the same cores: count them once.
@@ -329,10 +291,10 @@ class PostTrainRun:
         return self._peak
 
     def _metric_writer(self) -> MetricWriter:
-        log = _plain(self.config.get("logging", {}))
+        log = self.config.logging
         return MetricWriter(
-            self.workdir, tensorboard=log.get("tensorboard", True),
-            wandb_project=log.get("wandb_project", ""), run_config=run_identity(self.config),
+            self.workdir, tensorboard=log.tensorboard, wandb_project=log.wandb_project,
+            run_config=run_identity(self.config),
         )  # fmt: skip
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -425,7 +387,7 @@ class PostTrainRun:
         self.restore()
         ctx = self.context()
         stages = list(self.config.stages)
-        stop = self.config.get("stop_after_step")
+        stop = self.config.stop_after_step
         while self.meta["stage_index"] < len(stages):
             stage = stages[self.meta["stage_index"]]
             step_at_start = self.meta["step"]
@@ -478,7 +440,7 @@ class PostTrainRun:
     def _write_plots(self) -> None:
         """Learning curves as ``DIR/plots/*.png`` (``rlpt.plot``); a plotting failure
         is logged, never fatal to a finished run."""
-        if not _plain(self.config.get("logging", {})).get("plots", True):
+        if not self.config.logging.plots:
             return
         if jax.process_index() != 0:
             return
@@ -500,7 +462,7 @@ class PostTrainRun:
 
             path = save_adapter(self.workdir, name, self.lora, self._trained_params())
             logging.info("Saved LoRA adapter %r to %s", name, path)
-        hf_path = self.config.model.get("hf_path")
+        hf_path = self.config.model.hf_path
         if hf_path:
             from rlpt.interop import config_from_hf
             from rlpt.interop.checkpoint import save_adapter, save_checkpoint
@@ -592,7 +554,6 @@ class PostTrainRun:
 __all__ = [
     "PostTrainRun",
     "RUN_CONTROL_FIELDS",
-    "check_rollout_config",
     "run_identity",
     "train_and_evaluate",
 ]

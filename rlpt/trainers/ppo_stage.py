@@ -165,7 +165,7 @@ class PPOStage:
         r = self.config.rollout
         group_size = r.group_size
         need = r.batch_size // group_size
-        rounds = r.get("filter_max_rounds", 1) if r.get("filter_groups") else 1
+        rounds = r.filter_max_rounds if r.filter_groups else 1
         key = jax.random.fold_in(rollout_key, step)
         params = self.learner.policy_params()
         version = int(self.learner.state.step)
@@ -229,7 +229,7 @@ class PPOStage:
             "ppo/dropped_samples": int((ro.update.verdicts.valid == 0).sum()),
             "ppo/varying_groups_frac": ro.informative_frac,
         }
-        if self.config.rollout.get("filter_groups", False):
+        if self.config.rollout.filter_groups:
             m["ppo/rollout_rounds"] = ro.rounds
             m["ppo/update_varying_groups_frac"] = ro.update_informative_frac
         for d, name in enumerate(self.loader.names):

@@ -119,7 +119,7 @@ class SFTStage:
                         self.policy_params(), step, "final" if continued else "sft",
                         ctx.meta["eval"],
                     ))  # fmt: skip
-                elif c.get("eval_every", 0) and ctx.stage_step % c.eval_every == 0:
+                elif c.eval_every and ctx.stage_step % c.eval_every == 0:
                     # The held-out learning curve of supervised training, comparable with RL's.
                     metrics["sft/heldout_loss"] = self.heldout_loss()
                     metrics.update(self.evaluation.periodic(self.policy_params(), step))

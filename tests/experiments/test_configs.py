@@ -8,6 +8,7 @@ import pytest
 
 from rlpt import policy as policy_lib
 from rlpt import train, trainers
+from rlpt.config import parse_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_FILES = sorted(glob.glob(os.path.join(REPO_ROOT, "experiments", "*.py")))
@@ -98,8 +99,9 @@ def test_hf_post_train_starts_from_the_checkpoint_weights_and_tokenizer(tmp_path
 
     config = _load(os.path.join(REPO_ROOT, "experiments", "hf_post_train.py")).get_config()
     with pytest.raises(ValueError, match="model.hf_path"):
-        policy_lib.model_config(config)
+        parse_config(config)
     config.model.hf_path = _tiny_hf_checkpoint(tmp_path / "hf")
+    config = parse_config(config)
     model_cfg = policy_lib.model_config(config)
     assert (model_cfg.vocab_size, model_cfg.d_model, model_cfg.n_layers) == (264, 32, 2)
     _, params = policy_lib.initial_policy(config, model_cfg, key=None)

@@ -18,6 +18,7 @@ import pytest
 from rlpt import eval as eval_lib
 from rlpt import policy as policy_lib
 from rlpt import train
+from rlpt.config import parse_config
 from rlpt.rl import PPOTrainer
 from rlpt.roles import RewardRole
 
@@ -222,7 +223,7 @@ def test_eval_cli_evaluates_the_latest_checkpoint(reference_run):
     assert set(result["results"]["heldout"]) == set(summary["eval"]["final"])
     assert "pass@1" in proc.stderr  # the table
     # Repeated prompts are counted: items are drawn from the held-out partition.
-    config = _demo_config()
+    config = parse_config(_demo_config())
     sets = eval_lib.make_eval_data(config, policy_lib.make_domains(config))
     for name, tasks in sets["heldout"].items():
         got = result["results"]["heldout"][name]

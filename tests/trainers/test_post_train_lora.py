@@ -11,6 +11,7 @@ from flax import nnx
 
 from rlpt import eval as eval_lib
 from rlpt import policy as policy_lib
+from rlpt.config import parse_config
 from rlpt.trainers import post_train
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,8 +60,9 @@ def test_only_adapters_train_and_the_reference_holds_no_second_base(lora_run):
     assert trained and all("lora_" in path for path in trained)
     # The reference is the SFT adapters: adapter-sized, never a copy of the base.
     assert set(_leaves(run.learner.ref_params)) == set(trained)
+    typed = parse_config(config)
     fresh_graph, fresh_adapters, fresh_base = policy_lib.build_policy(
-        config, run.model_cfg, policy_lib.policy_init_key(config)
+        typed, run.model_cfg, policy_lib.policy_init_key(typed)
     )
     base_now, base_init = _leaves(run.base_params), _leaves(fresh_base)
     assert base_now.keys() == base_init.keys()
@@ -88,7 +90,8 @@ def test_adapter_is_saved_and_chosen_by_name_at_evaluation(lora_run):
 
 
 def test_bad_lora_settings_are_refused_before_anything_runs(tmp_path):
-    with pytest.raises(ValueError, match="model.lora: .*targets"):
+    bad_targets = r"model.lora.targets must be a non-empty subset of .*, got \('nope',\)"
+    with pytest.raises(ValueError, match=bad_targets):
         post_train.PostTrainRun(_config(**{"model.lora.targets": ("nope",)}), str(tmp_path))
     with pytest.raises(ValueError, match="model.lora.name"):
         post_train.PostTrainRun(_config(**{"model.lora.name": "a/b"}), str(tmp_path))
