@@ -507,6 +507,33 @@ class MeshSection:
             raise ConfigError(_with_path("mesh", e)) from None
 
 
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """Where each domain's prompts come from: ``sources[DOMAIN]`` is a source spec
+    (``rlpt.data.make_source``): ``{"kind": "array_record" | "tfds" | "jsonl", "path": ...}``
+    or ``{"kind": "procedural", ...}``. A domain without an entry is generated
+    procedurally from the run's seed."""
+
+    sources: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        from rlpt.data.sources import SOURCE_KINDS
+
+        for name, spec in self.sources.items():
+            path = f"data.sources.{name}"
+            if not isinstance(spec, Mapping):
+                raise ConfigError(f"{path} must be a source spec (a mapping), got {_fmt(spec)}")
+            kind = spec.get("kind", "procedural")
+            _choice(f"{path}.kind", kind, SOURCE_KINDS)
+            if kind != "procedural":
+                if not spec.get("path"):
+                    raise ConfigError(f"{path}.path must be set for a {kind} source")
+                paths = spec["path"] if isinstance(spec["path"], list | tuple) else [spec["path"]]
+                for file in paths:
+                    if "://" not in str(file) and not os.path.exists(str(file)):
+                        raise ConfigError(f"{path}.path {file!r} does not exist")
+
+
 def _default_domains() -> tuple[str, ...]:
     return DEMO_DOMAINS
 
@@ -543,6 +570,7 @@ class PostTrainConfig:
     logging: LoggingSection = dataclasses.field(default_factory=LoggingSection)
     profile: ProfileSection = dataclasses.field(default_factory=ProfileSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
 
     def __post_init__(self):
         _choice("trainer", self.trainer, ("post_train",))
@@ -550,6 +578,9 @@ class PostTrainConfig:
             _at_least("stop_after_step", self.stop_after_step, 0)
         self._check_stages()
         self._check_domains()
+        for name in self.data.sources:
+            if name not in self.domains:
+                raise ConfigError(f"data.sources.{name} names no domain of domains {self.domains}")
         _at_least("ppo_steps", self.ppo_steps, 0)
         if self.ppo.total_steps is not None:  # after ppo_steps: it may be derived from it
             _at_least("ppo.total_steps", self.ppo.total_steps, 0)

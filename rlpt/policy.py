@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from rlpt import checkpoint as ckpt_lib
+from rlpt import sft as sft_lib
 from rlpt.config import PostTrainConfig, parse_config
 from rlpt.models import CausalLM, ValueModel, create_model, get_preset
 from rlpt.rl import init_train_state
@@ -22,7 +23,6 @@ from rlpt.runfiles import read_json
 from rlpt.sampling import Sampler
 from rlpt.tasks import Domain, get_domain
 from rlpt.tokenizers import ByteTokenizer, Tokenizer
-from rlpt.trainers import sft as sft_lib
 
 # The run's identity (its config without the run-control fields), written when the run
 # starts; readers rebuild the run's policy from it.

@@ -40,9 +40,9 @@ from rlpt.rewards.train import (
     with_trunk,
 )
 from rlpt.sampling import Sampler, SamplingParams
+from rlpt.sft import sft_trainer
 from rlpt.tasks.base import Task, extract_answer
 from rlpt.tokenizers import ByteTokenizer, decode_response
-from rlpt.trainers.sft import sft_trainer
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from flax import nnx
 from rlpt.rewards.preferences import SkipCounts, Trace, encode_pairs, pairs_from_traces
 from rlpt.rewards.process import separator_mask
 from rlpt.rl.batch import RolloutBatch
-from rlpt.trainers.supervised import SupervisedState, SupervisedTrainer
+from rlpt.supervised import SupervisedState, SupervisedTrainer
 
 
 def rollout_rm_scores(graphdef, params, batch: RolloutBatch) -> jax.Array:

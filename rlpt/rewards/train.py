@@ -1,7 +1,7 @@
 """Training the reward roles: reward-model and process-reward-model objectives.
 
 The objectives are adapters from a model and a batch of arrays to the pure losses in
-``rlpt.rewards.losses``; ``rlpt.trainers.supervised.SupervisedTrainer`` runs them
+``rlpt.rewards.losses``; ``rlpt.supervised.SupervisedTrainer`` runs them
 (jitted, sharded, donated, a non-finite step skipped), as it runs SFT.
 
 - ``rm_objective``: Bradley-Terry on chosen/rejected rows (one forward pass of 2N rows).
@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from rlpt.models.transformer import positions_from_mask
 from rlpt.parallel.sharding import DEFAULT_RULES, Rules
 from rlpt.rewards.losses import binary_cross_entropy, bradley_terry_loss
-from rlpt.trainers.supervised import SupervisedTrainer, TrainConfig
+from rlpt.supervised import SupervisedTrainer, TrainConfig
 
 Batch = Mapping[str, jax.Array]
 

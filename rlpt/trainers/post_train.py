@@ -36,6 +36,7 @@ from absl import logging
 
 from rlpt import checkpoint as ckpt_lib
 from rlpt import policy as policy_lib
+from rlpt import sft as sft_lib
 from rlpt.config import RUN_CONTROL_FIELDS, PostTrainConfig, parse_config
 from rlpt.data import Curriculum, CurriculumLoader, make_source
 from rlpt.eval import Evaluator, make_eval_data
@@ -58,7 +59,6 @@ from rlpt.sampling import Sampler, SamplingParams
 from rlpt.sandbox import pool_from_config
 from rlpt.tasks import Verifier
 from rlpt.trainers import learned_rewards
-from rlpt.trainers import sft as sft_lib
 from rlpt.trainers.context import SAMPLES_FILE, RunEvaluation, StageContext
 from rlpt.trainers.ppo_stage import PPOStage
 from rlpt.trainers.sft_stage import SFTStage
@@ -262,9 +262,13 @@ class PostTrainRun:
 
     def _make_loader(self) -> CurriculumLoader:
         c = self.config
+        # A domain's prompts come from its configured source (ArrayRecord, TFDS, JSONL)
+        # or are generated from the run's seed.
         sources = {
-            name: make_source(name, {"kind": "procedural", "seed": c.seed}) for name in c.domains
-        }
+            name: make_source(name, c.data.sources.get(name) or {"kind": "procedural",
+                                                                 "seed": c.seed})
+            for name in c.domains
+        }  # fmt: skip
         curriculum = Curriculum(
             list(sources), c.curriculum, max_levels=[self.levels[n] for n in sources],
             sizes=[s.size for s in sources.values()],

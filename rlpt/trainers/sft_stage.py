@@ -14,10 +14,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from rlpt import sft as sft_lib
 from rlpt.parallel import data_parallel_size
 from rlpt.parallel.multihost import abstract_on, to_host
 from rlpt.policy import full_policy
-from rlpt.trainers import sft as sft_lib
 from rlpt.trainers.context import RunEvaluation, StageContext
 
 
@@ -55,7 +55,7 @@ class SFTStage:
             sft_lib.train_config(c.learning_rate, c.warmup_steps, c.weight_decay), policy_graph,
             frozen=base_params, mesh=mesh,
         )  # fmt: skip
-        self.state: Any = None  # rlpt.trainers.supervised.SupervisedState
+        self.state: Any = None  # rlpt.supervised.SupervisedState
 
     def start(self) -> None:
         self.state = self.trainer.init(self.init_params)

@@ -25,8 +25,8 @@ from rlpt.rewards import (
 )
 from rlpt.rl import new_rollout_batch
 from rlpt.sampling import left_pad
+from rlpt.sft import sft_trainer
 from rlpt.tokenizers import ByteTokenizer
-from rlpt.trainers.sft import sft_trainer
 
 CFG = get_preset("tiny")
 TOK = ByteTokenizer()

@@ -21,6 +21,7 @@ from rlpt import train
 from rlpt.config import parse_config
 from rlpt.rl import PPOTrainer
 from rlpt.roles import RewardRole
+from rlpt.trainers import post_train
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -407,3 +408,26 @@ def test_runlocal_demo_reproduces_the_recorded_metrics(reference_run):
                                            err_msg=f"step {want['step']} {key}")  # fmt: skip
             else:
                 assert have[key] == value, f"step {want['step']} {key}"
+
+
+def test_a_domain_reads_its_prompts_from_the_configured_source(tmp_path):
+    path = tmp_path / "arith.jsonl"
+    path.write_text("".join(
+        json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i), "id": f"j{i}"}) + "\n"
+        for i in range(5)
+    ))  # fmt: skip
+    config = _demo_config(**{
+        "domains": ("arithmetic",),
+        "data.sources": {"arithmetic": {"kind": "jsonl", "path": str(path)}},
+    })  # fmt: skip
+    run = post_train.PostTrainRun(config, str(tmp_path / "run"))
+    try:
+        prompts = {t.prompt for t in run.loader.next().tasks}
+    finally:
+        run.close()
+    assert prompts and prompts <= {f"{i}+{i}=" for i in range(5)}
+    missing = _demo_config(
+        **{"data.sources": {"arithmetic": {"kind": "jsonl", "path": str(tmp_path / "no")}}}
+    )
+    with pytest.raises(ValueError, match="data.sources.arithmetic.path .* does not exist"):
+        post_train.PostTrainRun(missing, str(tmp_path / "other"))

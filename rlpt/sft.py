@@ -30,9 +30,9 @@ from jax.sharding import Mesh
 
 from rlpt.models.transformer import positions_from_mask
 from rlpt.parallel.sharding import DEFAULT_RULES, Rules
+from rlpt.supervised import Batch, SupervisedTrainer, TrainConfig
 from rlpt.tasks import Domain, stable_hash
 from rlpt.tokenizers import Tokenizer
-from rlpt.trainers.supervised import Batch, SupervisedTrainer, TrainConfig
 
 
 def train_config(learning_rate: float, warmup_steps: int, weight_decay: float = 0.0) -> TrainConfig:

@@ -2,7 +2,7 @@
 models.
 
 ``SupervisedTrainer(cfg, graphdef, objective)`` binds an objective (an adapter from a
-model and a batch of arrays to a pure loss: next-token NLL in ``rlpt.trainers.sft``,
+model and a batch of arrays to a pure loss: next-token NLL in ``rlpt.sft``,
 Bradley-Terry and process-reward BCE in ``rlpt.rewards.train``) to the optimiser of
 ``rlpt.optim``, and jits ``step(state, batch) -> (state, metrics)`` like the PPO
 update: on a mesh, parameters and optimiser moments sharded by the logical-axis rules

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from rlpt import sft
 from rlpt.models import CausalLM, create_model, get_preset
 from rlpt.parallel import make_mesh
+from rlpt.supervised import TrainConfig
 from rlpt.tokenizers import ByteTokenizer
-from rlpt.trainers import sft
-from rlpt.trainers.supervised import TrainConfig
 
 CFG = get_preset("tiny")  # d_model 32
 TOK = ByteTokenizer()

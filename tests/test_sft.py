@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
+from rlpt import sft
 from rlpt.models import CausalLM, create_model, get_preset
 from rlpt.tasks import get_domain
 from rlpt.tokenizers import ByteTokenizer
-from rlpt.trainers import sft
 
 TOK = ByteTokenizer()
 
