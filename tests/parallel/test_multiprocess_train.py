@@ -33,10 +33,22 @@ def _run_two_processes(workdir, *extra):
                PYTHONPATH=REPO_ROOT)  # fmt: skip
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "rlpt.train", "--config=experiments/demo.py:runlocal",
-             f"--workdir={workdir}", f"--coordinator_address=localhost:{port}",
-             "--num_processes=2", f"--process_id={i}", *extra],
-            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "rlpt.train",
+                "--config=experiments/demo.py:runlocal",
+                f"--workdir={workdir}",
+                f"--coordinator_address=localhost:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+                *extra,
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         for i in (0, 1)
     ]
