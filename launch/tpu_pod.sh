@@ -6,7 +6,8 @@
 #
 # --dry-run prints every command instead of running it. The same config runs
 # unchanged: rlpt.train initialises multi-host JAX from the pod's environment
-# (its --distributed flag) and each host reads its own data shard.
+# (its --distributed flag); every host draws the same prompts, verifies its own share of
+# the rollouts in its own sandbox pool, and runs its devices' shards of the global mesh.
 set -euo pipefail
 
 name="" zone="" type="" config="" workdir="" version="tpu-ubuntu2204-base"
