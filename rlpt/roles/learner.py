@@ -9,7 +9,7 @@ controller), the frozen reference, and the jitted, sharded steps of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -105,16 +105,16 @@ class PPOLearner:
         traj: Trajectories,
         group_id: np.ndarray,
         *,
-        pad_prompts: Callable[[Sequence[Sequence[int]], int], tuple[np.ndarray, np.ndarray]],
         prompt_buckets: Sequence[int],
         pad_id: int,
         step_id: int,
         max_new_tokens: int,
     ) -> tuple[RolloutBatch, dict[str, int]]:
         """The learner's batch for ``traj`` (verdicts required) and its layout: the
-        sampled prompt length, the response width and, packed, the real tokens scored."""
+        sampled prompt length, the response width and, packed, the real tokens scored.
+        The prompts are the loader's padded rows, used as they are."""
         v = traj.verdicts
-        prompt_tokens, prompt_mask = pad_prompts(traj.prompt_ids, max_new_tokens)
+        prompt_tokens, prompt_mask = traj.prompt_tokens, traj.prompt_mask
         layout = {"prompt_len": int(prompt_tokens.shape[1]), "scored_tokens": None}
         if self.cfg.pack_sequences:
             layout["scored_tokens"] = int(prompt_mask.sum()) + int(traj.lengths.sum())

@@ -1,10 +1,10 @@
 """The rollout role: prompts in, trajectories out.
 
 A ``Trajectories`` holds, one row per sample, exactly what generation produced: the
-prompt's token ids, the response token ids the sampler drew (never decoded and
-re-encoded on the way to the learner), their behaviour log-probs under the sampling
-distribution, the response mask, and the policy version that generated them. The
-reward role adds its verdicts to the same rows (``Verdicts``).
+prompt's token ids (left-padded once, by the loader), the response token ids the
+sampler drew (never decoded and re-encoded on the way to the learner), their behaviour
+log-probs under the sampling distribution, the response mask, and the policy version
+that generated them. The reward role adds its verdicts to the same rows (``Verdicts``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class Trajectories:
     """Generated samples, one row each: ``[N]`` arrays, ``[N, T]`` for the response
     arrays (``T`` = the rollout's ``max_new_tokens``), and per-row lists."""
 
-    prompt_ids: list  # token ids of each prompt (unpadded)
+    prompt_tokens: np.ndarray  # [N, P] left-padded as the loader padded them
+    prompt_mask: np.ndarray  # [N, P] bool
     tasks: list
     names: list  # domain name per row
     texts: list  # decoded responses, for verifiers and logs only
@@ -62,11 +63,16 @@ class Trajectories:
 
     @staticmethod
     def concat(parts: Sequence[Trajectories]) -> Trajectories:
+        """The rows of ``parts`` in order; prompts of different widths (batches padded
+        to different buckets) are left-aligned to the widest by masked columns."""
+
         def join(values):
             if isinstance(values[0], np.ndarray):
                 return np.concatenate(values)
             return [v for vs in values for v in vs]
 
+        width = max(p.prompt_tokens.shape[1] for p in parts)
+        parts = [p if p.prompt_tokens.shape[1] == width else p._widened(width) for p in parts]
         fields = {}
         for f in dataclasses.fields(Trajectories):
             if f.name == "verdicts":
@@ -79,6 +85,15 @@ class Trajectories:
                 for f in dataclasses.fields(Verdicts)
             })  # fmt: skip
         return Trajectories(**fields, verdicts=verdicts)
+
+    def _widened(self, width: int) -> Trajectories:
+        """The same rows with ``width - P`` masked columns before each prompt; they repeat
+        the rows' first column, which the mask already hides (padding of the loader's)."""
+        extra = width - self.prompt_tokens.shape[1]
+        tokens = np.concatenate([np.repeat(self.prompt_tokens[:, :1], extra, axis=1),
+                                 self.prompt_tokens], axis=1)  # fmt: skip
+        mask = np.pad(self.prompt_mask, ((0, 0), (extra, 0)))
+        return dataclasses.replace(self, prompt_tokens=tokens, prompt_mask=mask)
 
 
 def _map_rows(traj: Trajectories, fn) -> Trajectories:
@@ -114,20 +129,23 @@ class RolloutWorker:
     def generate(
         self, params, prompts: PromptBatch, key: jax.Array, *, version: int
     ) -> Trajectories:
-        """Trajectories for every row of ``prompts`` (its padding is dropped here, once)."""
-        ids = [row[m] for row, m in zip(prompts.tokens, prompts.mask)]
-        out = self.sampler.generate(
-            params, ids, key, max_new_tokens=self.max_new_tokens, sampling=self.sampling
-        )
+        """Trajectories for every row of ``prompts``, sampled from the loader's padded
+        batch as it is."""
+        out = self.sampler.generate_padded(
+            params, prompts.tokens, prompts.mask, key, max_new_tokens=self.max_new_tokens,
+            sampling=self.sampling,
+        )  # fmt: skip
         tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-        texts = [decode_response(self.tokenizer, tokens[i, : lengths[i]]) for i in range(len(ids))]
+        n = len(tokens)
+        texts = [decode_response(self.tokenizer, tokens[i, : lengths[i]]) for i in range(n)]
         return Trajectories(
-            prompt_ids=ids, tasks=list(prompts.tasks),
+            prompt_tokens=np.asarray(prompts.tokens), prompt_mask=np.asarray(prompts.mask, bool),
+            tasks=list(prompts.tasks),
             names=[self.domain_names[d] for d in prompts.domain_index], texts=texts,
             tokens=tokens, logprobs=np.asarray(out.logprobs), mask=np.asarray(out.mask),
             lengths=lengths, truncated=np.asarray(out.truncated),
             loss_weight=np.asarray(prompts.loss_weight),
             domain_index=np.asarray(prompts.domain_index),
             difficulty=np.asarray(prompts.difficulty),
-            policy_version=np.full(len(ids), version, np.int32),
+            policy_version=np.full(n, version, np.int32),
         )  # fmt: skip

@@ -226,6 +226,36 @@ class Sampler:
     ) -> SampleOutput:
         """Generate for a list of token-id prompts; returns numpy arrays, one row per prompt."""
         tokens, mask = self.prepare(prompts, max_new_tokens)
+        out = self.generate_padded(
+            state, tokens, mask, key, max_new_tokens=max_new_tokens, sampling=sampling
+        )
+        return jax.tree.map(lambda x: x[: len(prompts)], out)
+
+    def generate_padded(
+        self,
+        state,
+        tokens: np.ndarray,  # [B, P] left-padded prompt ids
+        mask: np.ndarray,  # [B, P] bool
+        key: jax.Array,
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams = GREEDY,
+    ) -> SampleOutput:
+        """Generate for prompts already left-padded (a loader's batch), without padding them
+        again; on a mesh, rows are added up to a multiple of the data-parallel devices and
+        dropped from the result."""
+        tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, bool)
+        if tokens.shape[1] + max_new_tokens > self.config.max_seq_len:
+            raise ValueError(
+                f"prompts of {tokens.shape[1]} positions plus max_new_tokens={max_new_tokens} "
+                f"exceed the cache, model.max_seq_len={self.config.max_seq_len}"
+            )
+        n = len(tokens)
+        if self.mesh is not None:
+            extra = -n % data_parallel_size(self.mesh, self.rules)
+            tokens = np.pad(tokens, ((0, extra), (0, 0)), constant_values=self.pad_id)
+            mask = np.pad(mask, ((0, extra), (0, 0)))
+            mask[n:, -1] = True  # a one-token prompt in each filler row
         fn = self._fn(state, max_new_tokens, sampling)
         if self.mesh is not None:
             # Host values (equal in every process) onto the mesh; a placed state stays put.
@@ -234,5 +264,4 @@ class Sampler:
             tokens, mask = to_device((tokens, mask), (rows, rows))
             key = to_device(key, replicated(self.mesh))
         out = to_host(fn(state, tokens, mask, key))
-        n = len(prompts)
         return jax.tree.map(lambda x: x[:n], out)

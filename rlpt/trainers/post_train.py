@@ -199,7 +199,7 @@ class PostTrainRun:
             config, loader=self.loader, rollout=rollout, reward=self.reward,
             learner=self.learner, evaluation=self.evaluation,
             make_batch_kwargs=dict(
-                pad_prompts=self.sampler.prepare, prompt_buckets=self.sampler.buckets,
+                prompt_buckets=self.sampler.buckets,
                 pad_id=self.tokenizer.pad_id, step_id=self.tokenizer.step_id,
                 max_new_tokens=config.rollout.max_new_tokens,
             ),

@@ -16,7 +16,8 @@ def _trajectories(texts):
     n = len(texts)
     task = Task(id="t", domain="d", prompt="p", difficulty=1)
     return Trajectories(
-        prompt_ids=[[1, 2]] * n, tasks=[task] * n, names=["d"] * n, texts=list(texts),
+        prompt_tokens=np.ones((n, 2), np.int32), prompt_mask=np.ones((n, 2), bool),
+        tasks=[task] * n, names=["d"] * n, texts=list(texts),
         tokens=np.zeros((n, 4), np.int32), logprobs=np.zeros((n, 4), np.float32),
         mask=np.ones((n, 4), np.float32), lengths=np.full(n, 4), truncated=np.zeros(n, bool),
         loss_weight=np.ones(n, np.float32), domain_index=np.zeros(n, np.int32),
