@@ -38,6 +38,7 @@ def devices():
 # `--dist loadfile --no-loadscope-reorder` keeps this order) a long file left for last
 # runs alone on one core.
 _LONGEST_FILES = (
+    "tests/parallel/test_multiprocess_train.py",
     "tests/trainers/test_learned_rewards.py",
     "tests/parallel/test_multihost.py",
     "tests/trainers/test_post_train.py",
