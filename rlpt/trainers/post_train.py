@@ -51,22 +51,19 @@ from rlpt.metrics import (
 )
 from rlpt.parallel import make_mesh
 from rlpt.parallel.multihost import to_global
-from rlpt.policy import RUN_CONFIG_FILE, adapter_name, full_policy
+from rlpt.policy import RUN_CONFIG_FILE, full_policy
 from rlpt.rewards.learned import LearnedRewards
 from rlpt.roles import COUNTERS, PPOLearner, RewardRole, RolloutWorker, make_rule_reward
 from rlpt.runfiles import atomic_write_json, check_workdir, read_json, set_aside_run_files
 from rlpt.sampling import Sampler, SamplingParams
 from rlpt.sandbox import pool_from_config
 from rlpt.tasks import Verifier
-from rlpt.trainers import learned_rewards
+from rlpt.trainers import learned_rewards, outputs
 from rlpt.trainers.context import SAMPLES_FILE, RunEvaluation, StageContext
+from rlpt.trainers.outputs import SUMMARY_FILE
 from rlpt.trainers.ppo_stage import PPOStage
 from rlpt.trainers.sft_stage import SFTStage
 
-# A run of a Hugging Face model leaves its result here as an rlpt interop checkpoint
-# (``python -m rlpt.interop.hf export DIR/model OUT [--adapter=NAME]``).
-MODEL_DIR = "model"
-SUMMARY_FILE = "summary.json"
 KEY_NAMES = ("init", "value_init", "rollout", "eval", "ppo", "rm_refresh")
 
 
@@ -418,9 +415,14 @@ class PostTrainRun:
                 self.ckpt.wait()
                 return {"stopped_at_step": self.meta["step"]}
         self.ckpt.wait()
-        self._save_model_outputs()
+        if jax.process_index() == 0:
+            outputs.save_model_outputs(
+                self.config, self.workdir, self.model_cfg, self.lora, self._trained_params(),
+                self.base_params,
+            )  # fmt: skip
         summary = self._summary()
-        self._write_plots()
+        if self.config.logging.plots and jax.process_index() == 0:
+            outputs.write_plots(self.workdir)
         return summary
 
     def _reward_stage_inputs(self) -> learned_rewards.RewardStageInputs:
@@ -440,47 +442,6 @@ class PostTrainRun:
         if self.learner.state is not None and not self._in_sft():
             return self.learner.trained_params()
         return self.sft.state.params
-
-    def _write_plots(self) -> None:
-        """Learning curves as ``DIR/plots/*.png`` (``rlpt.plot``); a plotting failure
-        is logged, never fatal to a finished run."""
-        if not self.config.logging.plots:
-            return
-        if jax.process_index() != 0:
-            return
-        from rlpt import plot
-
-        try:
-            plot.write_plots(self.workdir)
-        except Exception as e:  # noqa: BLE001 (any plotting error: the run's results stand)
-            logging.warning("Could not write plots to %s: %s", self.workdir, e)
-
-    def _save_model_outputs(self) -> None:
-        """The trained adapter as ``DIR/adapters/NAME``; for a Hugging Face model, also an
-        interop checkpoint ``DIR/model`` (base weights plus that adapter) to export."""
-        if jax.process_index() != 0:
-            return
-        name = adapter_name(self.config)
-        if self.lora is not None:
-            from rlpt.interop.checkpoint import save_adapter
-
-            path = save_adapter(self.workdir, name, self.lora, self._trained_params())
-            logging.info("Saved LoRA adapter %r to %s", name, path)
-        hf_path = self.config.model.hf_path
-        if hf_path:
-            from rlpt.interop import config_from_hf
-            from rlpt.interop.checkpoint import save_adapter, save_checkpoint
-            from rlpt.interop.model import read_hf_config
-
-            hf_config = read_hf_config(hf_path)
-            _, family = config_from_hf(hf_config, source=os.path.join(hf_path, "config.json"))
-            out = os.path.join(self.workdir, MODEL_DIR)
-            weights = self.base_params if self.lora is not None else self._trained_params()
-            save_checkpoint(out, self.model_cfg, weights, family=family, hf_config=hf_config,
-                            tokenizer_dir=hf_path)  # fmt: skip
-            if self.lora is not None:
-                save_adapter(out, name, self.lora, self._trained_params())
-            logging.info("Saved the post-trained model to %s", out)
 
     def _enter_stage(self, stage: str) -> None:
         self.meta["stage"] = stage
@@ -504,47 +465,9 @@ class PostTrainRun:
     # -- the end ------------------------------------------------------------------------------
 
     def _summary(self) -> dict[str, Any]:
-        e = self.config.eval
-        ev = self.meta["eval"]
-        k = e.k
-
-        def pick(which, split, key):
-            return {d: r.get(key) for d, r in ev.get(which, {}).get(split, {}).items()}
-
-        curriculum = self.loader.curriculum
-        summary = {
-            "eval": {
-                "sft": pick("sft", "heldout", "pass@1"),
-                "final": pick("final", "heldout", "pass@1"),
-                "sft_pass_at_k": pick("sft", "heldout", f"pass@{k}"),
-                "final_pass_at_k": pick("final", "heldout", f"pass@{k}"),
-                "k": k,
-                "ood": {
-                    "sft": pick("sft", "ood", "pass@1"),
-                    "final": pick("final", "ood", "pass@1"),
-                    "sft_pass_at_k": pick("sft", "ood", f"pass@{k}"),
-                    "final_pass_at_k": pick("final", "ood", f"pass@{k}"),
-                    "levels": {d: self.levels[d] + 1 for d in ev.get("final", {}).get("ood", {})},
-                },
-            },
-            "curriculum": {
-                "weights": dict(zip(curriculum.names, map(float, curriculum.last_probs))),
-                "difficulty": dict(zip(curriculum.names, map(int, curriculum.level))),
-            },
-            "wall_s": float(self.meta["elapsed_s"]),
-        }
-        if ev.get("final", {}).get("train"):
-            # The memorisation gap: the same greedy score on training-partition items.
-            summary["eval"]["train"] = {
-                "sft": pick("sft", "train", "pass@1"),
-                "final": pick("final", "train", "pass@1"),
-            }
-        if self.meta.get("reward_models"):
-            summary["reward_models"] = self.meta["reward_models"]
-        if jax.process_index() == 0:
-            atomic_write_json(os.path.join(self.workdir, SUMMARY_FILE), to_json_value(summary),
-                              indent=2, sort_keys=True)  # fmt: skip
-        return summary
+        return outputs.write_summary(
+            self.workdir, self.meta, self.config.eval.k, self.levels, self.loader.curriculum
+        )
 
     def close(self) -> None:
         self.profiler.close()
