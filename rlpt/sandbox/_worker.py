@@ -200,7 +200,7 @@ def _enter_minimal_root(packages: list[str], mount_proc: bool) -> None:
     )  # fmt: skip
     _mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
     for src in binds:
-        dst = base + src
+        dst = base + _placed(src)
         if os.path.islink(src) and src in _SYSTEM_TREES:
             os.symlink(os.readlink(src), dst)  # /bin -> usr/bin on merged-/usr systems
             continue
@@ -233,6 +233,23 @@ def _enter_minimal_root(packages: list[str], mount_proc: bool) -> None:
     _check(_libc.umount2(b"/.old", MNT_DETACH), "umount the host root")
     os.rmdir("/.old")
     _make_readonly()
+    # Programs are forked from here: they import allowed packages from where they now are.
+    sys.path[:] = [_placed(p) if p else p for p in sys.path]
+    sys.path_importer_cache.clear()
+
+
+# Each run mounts a fresh /tmp over the new root's, hiding whatever was bound below it: an
+# allowed package installed under /tmp (a virtual environment in a temporary directory) is
+# bound under this prefix instead, and the search path follows it.
+_RELOCATED = "/.relocated"
+_SHADOWED = ("/tmp", "/var/tmp")
+
+
+def _placed(path: str) -> str:
+    """Where a host path is bound in the new root."""
+    if any(path == d or path.startswith(d + "/") for d in _SHADOWED):
+        return _RELOCATED + path
+    return path
 
 
 def _make_readonly() -> None:

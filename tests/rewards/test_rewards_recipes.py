@@ -7,7 +7,8 @@ from rlpt.models import CausalLM, RewardModel, create_model
 from rlpt.rewards.data import correctness_pairs
 from rlpt.rewards.preferences import encode_pairs
 from rlpt.rewards.recipes import sft_examples, small_config, train_reward_model, train_sft
-from rlpt.rewards.train import TrainConfig, rm_trainer, sft_trainer, with_trunk
+from rlpt.rewards.train import TrainConfig, rm_trainer, with_trunk
+from rlpt.sft import sft_trainer
 from rlpt.tasks import get_domain
 from rlpt.tokenizers import ByteTokenizer
 
