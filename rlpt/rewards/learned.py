@@ -42,11 +42,11 @@ RM_KEY, PRM_KEY, NORM_KEY = "reward_model", "process_reward_model", "reward_norm
 RM_STATE_KEY = "reward_model_state"  # parameters and optimiser state, when refreshing
 
 
-def reward_model_trainer(c, graph):
+def reward_model_trainer(c, graph, mesh=None):
     """The reward model's trainer: the ``rm`` stage's, continued by refreshes in PPO."""
     return rm_trainer(
         TrainConfig(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps), graph,
-        margin=c.margin,
+        margin=c.margin, mesh=mesh,
     )  # fmt: skip
 
 
@@ -167,7 +167,7 @@ class LearnedRewards:
             if RM_KEY in names:
                 out[RM_KEY] = params
             else:
-                trainer = reward_model_trainer(self.rm_config, self.rm_graph)
+                trainer = reward_model_trainer(self.rm_config, self.rm_graph, self.mesh)
                 out[RM_STATE_KEY] = jax.eval_shape(trainer.init, params)
                 self.start_refresh(trainer, None, model_cfg.max_seq_len)
         if PRM_KEY in names:

@@ -54,6 +54,7 @@ class RewardStageInputs:
     levels: Mapping[str, int]
     sampler: Sampler
     learned: LearnedRewards
+    mesh: Any = None  # the run's mesh: the reward models train sharded on it
 
 
 def _batches(n: int, batch_size: int, steps: int, rng: np.random.Generator):
@@ -114,7 +115,7 @@ def rm_stage(ctx: StageContext, run: RewardStageInputs) -> None:
             f"reward model: only {len(arrays)} usable pairs (skipped {skipped}); need at least "
             f"reward_model.batch_size={c.batch_size}"
         )
-    trainer = reward_model_trainer(c, graph)
+    trainer = reward_model_trainer(c, graph, run.mesh)
     rng = np.random.default_rng(seed + 303)
     batches = (
         {
@@ -220,7 +221,7 @@ def prm_stage(ctx: StageContext, run: RewardStageInputs) -> None:
     )
     params = with_trunk(params, policy)
     trainer = prm_trainer(TrainConfig(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps),
-                          graph)  # fmt: skip
+                          graph, mesh=run.mesh)  # fmt: skip
     rng = np.random.default_rng(seed + 505)
     n = len(examples["tokens"])
     batches = (

@@ -429,7 +429,7 @@ class PostTrainRun:
         return learned_rewards.RewardStageInputs(
             config=self.config, policy_params=self._policy_params(), model_cfg=self.model_cfg,
             tokenizer=self.tokenizer, domains=self.domains, levels=self.levels,
-            sampler=self.sampler, learned=self.learned,
+            sampler=self.sampler, learned=self.learned, mesh=self.mesh,
         )  # fmt: skip
 
     def _policy_params(self):
