@@ -95,6 +95,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
+PR_GET_DUMPABLE = 3
 PR_CAPBSET_DROP, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 24, 22, 2
 SYS_MOUNT_SETATTR = 442  # x86_64 and aarch64 share the number
 SYS_PIVOT_ROOT = 155 if os.uname().machine == "x86_64" else 41
@@ -280,14 +281,21 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-def _load_seccomp(program: bytes) -> None:
-    """Install the filter on this process (needs no_new_privs); its children inherit it."""
-    buf = ctypes.create_string_buffer(program, len(program))
-    fprog = _SockFprog(len(program) // 8, ctypes.addressof(buf))
-    _check(
-        _libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog), 0, 0),
-        "seccomp",
-    )
+class _SeccompFilter:
+    """A compiled filter, laid out for the kernel once, in the worker.
+
+    Each run then installs it with one call: building the ctypes objects in every forked
+    child would touch (and copy) pages that the run has no other reason to write.
+    """
+
+    def __init__(self, program: bytes):
+        self._buf = ctypes.create_string_buffer(program, len(program))
+        self._fprog = _SockFprog(len(program) // 8, ctypes.addressof(self._buf))
+        self._args = (PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(self._fprog))
+
+    def load(self) -> None:
+        """Install the filter on this process (needs no_new_privs); its children inherit it."""
+        _check(_libc.prctl(*self._args, 0, 0), "seccomp")
 
 
 # -- plain values across the boundary -----------------------------------------------------------
@@ -414,7 +422,7 @@ class Worker:
         # "rootless" can be forced to exercise the unprivileged path on a root machine.
         self.rootless = os.geteuid() != 0 or bool(cfg.get("rootless", False))
         self.is_init = False
-        self.seccomp: bytes | None = None
+        self.seccomp: _SeccompFilter | None = None
         # The slot's cgroup: descriptors opened before the host's /sys goes out of sight.
         self.cg_procs: list[int] = []  # non-empty once the worker is in the slot's cgroup
         self.cg_memory: int | None = None
@@ -454,7 +462,7 @@ class Worker:
             # Compiled by the pool (with libseccomp), so that this process, which every run
             # is forked from, maps no more libraries than it must.
             if self._seccomp_hex:
-                self.seccomp = bytes.fromhex(self._seccomp_hex)
+                self.seccomp = _SeccompFilter(bytes.fromhex(self._seccomp_hex))
             else:
                 _log("no seccomp filter: the pool could not compile one")
                 self.wanted.discard(F_SECCOMP)
@@ -930,7 +938,7 @@ def _probe_child(w: Worker) -> set[str]:
     if F_SECCOMP in w.wanted and w.seccomp is not None:
         try:
             _prctl(PR_SET_NO_NEW_PRIVS, 1)
-            _load_seccomp(w.seccomp)
+            w.seccomp.load()
             try:
                 _unshare(CLONE_NEWUTS)
                 _log("the seccomp filter let unshare through")
@@ -1020,9 +1028,7 @@ def _confine(w: Worker, job: dict, uid: int, *, cgroup: bool) -> None:
     else:
         _drop_capabilities()
     if F_SECCOMP in w.features and w.seccomp is not None:
-        _load_seccomp(w.seccomp)
-    os.environ.clear()
-    os.environ.update({**_CLEAN_ENV, "LANG": "C.UTF-8"})
+        w.seccomp.load()
 
 
 def _program_main(w: Worker, job: dict, fds: dict) -> None:
@@ -1369,6 +1375,39 @@ def _print_err(text: str) -> None:
         print(text, file=sys.stderr)
 
 
+_WARM_UP_PROGRAM = """
+def f(x, *args, **kwargs):
+    return [x, args, kwargs, {x: str(x)}, (x, 1.5, None, True, b"x")]
+print(f(1), f"{f(2)!r}", file=out)
+try:
+    assert f(3) == 0, "no"
+except AssertionError as e:
+    print(repr(e), file=out)
+"""
+
+
+def _warm_up() -> None:
+    """Run the paths every program takes once here, before any fork.
+
+    CPython builds some of its state on first use in each process: the first ``compile()``
+    creates the AST types (about a millisecond, more than a whole trivial run otherwise costs),
+    and a forked child would pay that again for every run. Done once in the worker, the
+    children inherit it. The code is our own, run before any request is read.
+    """
+    import io
+
+    out = io.StringIO()
+    code = compile(_WARM_UP_PROGRAM, "warm_up.py", "exec")
+    exec(code, {"__name__": "__warm_up__", "__builtins__": builtins, "out": out})
+    try:
+        exec(compile("1 / 0", "warm_up.py", "exec"), {})
+    except ZeroDivisionError as e:
+        traceback.print_exception(type(e), e, e.__traceback__, file=out)
+    _decode(json.loads(json.dumps(_encode([1, 2.5, "s", b"b", (1,), {1: {2}}, None]))))
+    # Binds the libc symbol and the ctypes conversions a run's set-up calls.
+    _libc.prctl(PR_GET_DUMPABLE, ctypes.c_ulong(0), 0, 0, 0)
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     worker = Worker(cfg)
@@ -1377,6 +1416,11 @@ def main() -> None:
     except ImportError as e:
         _send(1, {"ready": False, "error": str(e)})
         os._exit(1)
+    # Set here rather than in each run: the runs inherit it, and changing ``os.environ`` in
+    # a forked child runs enough Python to copy a hundred pages.
+    os.environ.clear()
+    os.environ.update({**_CLEAN_ENV, "LANG": "C.UTF-8"})
+    _warm_up()
     # Everything loaded so far stays out of the collector's sight, so neither the worker nor a
     # forked run writes to those pages (copy-on-write faults) when collecting garbage.
     gc.freeze()
