@@ -291,7 +291,8 @@ class _SeccompFilter:
     def __init__(self, program: bytes):
         self._buf = ctypes.create_string_buffer(program, len(program))
         self._fprog = _SockFprog(len(program) // 8, ctypes.addressof(self._buf))
-        self._args = (PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(self._fprog))
+        mode = ctypes.c_ulong(SECCOMP_MODE_FILTER)
+        self._args = (PR_SET_SECCOMP, mode, ctypes.byref(self._fprog))
 
     def load(self) -> None:
         """Install the filter on this process (needs no_new_privs); its children inherit it."""
