@@ -1,9 +1,10 @@
 """One sandbox worker: a long-lived, JAX-free interpreter that forks isolated children per run.
 
 The pool starts this file as a fresh interpreter (``python -I _worker.py CONFIG``), never by
-forking a process that may hold JAX threads. It imports only the standard library (and, when
-so a fork of it is a pre-warmed Python that starts running a program
-in about a millisecond instead of the ~20 ms a fresh ``python`` costs.
+forking a process that may hold JAX threads. It imports only the standard library, loads the
+modules programs commonly use and runs a warm-up (the first ``compile()`` of a process builds
+the AST types), so a fork of it is a pre-warmed Python that runs a trivial program for about
+a millisecond of CPU instead of the ~9 ms a fresh ``python -I -S`` costs.
 
 Namespaces and processes::
 
@@ -17,9 +18,12 @@ Namespaces and processes::
            ├─ program  per run: a fresh tmpfs /tmp (its working directory, mounted anew by the
            │           worker before each run), rlimits, the slot's cgroup, no_new_privs, the
            │           seccomp filter, the slot's uid, a clean environment; runs ``code``
-           └─ checker  per run with ``tests``: the same limits, another uid (as root) and
-                       non-dumpable; it runs ``tests`` and calls the program's functions over a
-                       pipe, accepting only plain values, and is the only one that can say "pass"
+           └─ checker  one per slot, started with the first run that has ``tests`` and kept:
+                       the same limits but CPU time (each run has a wall-clock deadline),
+                       another uid (as root), non-dumpable; for each run it receives the tests
+                       and that run's pipes over a socket, runs the tests, calls the program's
+                       functions over the pipes accepting only plain values, and is the only
+                       one that can say "pass"
 
 Why the tests run in another process: a program shares everything with code in its own
 interpreter, so no secret, sentinel or check kept there is safe from it (``sys._getframe``,
@@ -29,7 +33,11 @@ crosses the pipe as JSON of exact built-in types (``_encode``/``_decode``), the 
 the same way, and the assertions run on those plain values with the checker's own, unpatched
 builtins. The program never sees the tests either. The checker writes its verdict on a pipe only
 it and the worker hold; the program cannot see the checker's process (another uid as root,
-non-dumpable and behind a seccomp filter that forbids ``ptrace`` in both modes).
+non-dumpable and behind a seccomp filter that forbids ``ptrace`` in both modes). The checker is
+kept between runs because forking, faulting in and tearing down an interpreter per run cost
+more than the tests themselves; it is replaced whenever a run ends without its verdict (a
+timeout, a crash, a kill) or with a MemoryError, and it keeps no state of a run: fresh globals
+and fresh pipes each time.
 
 Without ``tests`` there is nothing to check but that the program ran to its end: the bootstrap
 then writes an end marker on a control pipe (on a random high descriptor) after the last
@@ -37,9 +45,10 @@ statement, so ``exit(0)`` and ``os._exit(0)`` are not taken for a finished run. 
 the program's own to give by definition (a program that forged it could as well not stop
 early), so it is no secret; with ``io_cases`` the verdict is the parent's comparison of stdout.
 
-When a run ends, the worker, as init, sends ``kill(-1, SIGKILL)``, which reaches every other
-process in its namespace (double-forked daemons included) and nothing outside, then reaps them
-all, so the slot owns no process when the next run starts.
+When a run ends, the worker, as init, SIGKILLs every process of its namespace but the checker
+(listed by the namespace's own /proc, again until none is left, so double-forked daemons go
+too) and nothing outside, then reaps them all, so the slot owns no process of the run when the
+next one starts.
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ import re
 import resource
 import select
 import signal
+import socket
 import string  # noqa: F401
 import struct
 import sys
@@ -410,6 +420,15 @@ def _log(msg: str) -> None:
         os.write(2, f"[rlpt.sandbox worker {os.getpid()}] {msg}\n".encode())
 
 
+class _Checker:
+    """The slot's long-lived checker process and the socket that hands it each run."""
+
+    def __init__(self, pid: int, sock: socket.socket, key: tuple):
+        self.pid = pid
+        self.sock = sock
+        self.key = key  # the limits it was started with
+
+
 class Worker:
     """The per-slot state: which protections work here, and the run loop."""
 
@@ -431,6 +450,8 @@ class Worker:
         self.cg_memory_set: int | None = None
         self._cgroup_cfg = cfg.get("cgroup") or {}
         self._seccomp_hex = cfg.get("seccomp_bpf")
+        self.checker: _Checker | None = None
+        self.own_proc = False
 
     # -- start-up -------------------------------------------------------------------------------
 
@@ -479,6 +500,9 @@ class Worker:
                 _log(f"no minimal root: {e}")
                 self.wanted.discard(F_MOUNT)
         self.features = self._probe()
+        # Whether /proc lists this PID namespace (the minimal root mounts its own): then the
+        # processes of a run can be told from the checker's.
+        self.own_proc = self.is_init and os.readlink("/proc/self") == "1"
 
     def _open_cgroup(self) -> None:
         """Join the slot's cgroup; keep its memory limit and OOM counter open for the runs.
@@ -593,6 +617,35 @@ class Worker:
 
     # -- one run --------------------------------------------------------------------------------
 
+    def _checker_for(self, job: dict) -> _Checker:
+        """The slot's checker for limits like ``job``'s, started (again) if need be."""
+        key = (int(job["memory_mb"]), int(job["file_size_mb"]), int(job["max_open_files"]))
+        if self.checker is not None and self.checker.key != key:
+            self.stop_checker()
+        if self.checker is None:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            pid = os.fork()
+            if pid == 0:
+                ours.close()
+                try:
+                    _checker_main(self, job, theirs)
+                finally:
+                    os._exit(71)
+            theirs.close()
+            self.checker = _Checker(pid, ours, key)
+        return self.checker
+
+    def stop_checker(self) -> None:
+        """Kill the checker; the next run with tests starts a new one."""
+        checker, self.checker = self.checker, None
+        if checker is None:
+            return
+        checker.sock.close()
+        with contextlib.suppress(OSError):
+            os.kill(checker.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(checker.pid, 0)
+
     def _spawn(self, main, *args) -> int:
         pid = os.fork()
         if pid == 0:
@@ -606,10 +659,11 @@ class Worker:
         return pid
 
     def run_one(self, job: dict, stdin: str | None) -> dict:
-        """Run the program once with ``stdin`` (and its checker); return raw observations."""
+        """Run the program once with ``stdin`` (and its tests); return raw observations."""
         timeout_s = float(job["timeout_s"])
         out_cap = int(job["output_limit"])
         checked = bool(job.get("tests"))
+        checker = self._checker_for(job) if checked else None
         names = ["stdout", "stderr", "ctl", "status"]
         if checked:
             names += ["req", "resp", "verdict"]
@@ -629,17 +683,8 @@ class Worker:
             "ctl": pipes["ctl"][1],
             "status": pipes["status"][1],
         }
-        chk = {}
         if checked:
             prog.update(req=pipes["req"][0], resp=pipes["resp"][1])
-            chk = {
-                "stdout": pipes["stdout"][1],
-                "stderr": pipes["stderr"][1],
-                "req": pipes["req"][1],
-                "resp": pipes["resp"][0],
-                "verdict": pipes["verdict"][1],
-                "status": pipes["status"][1],
-            }
         self.set_memory_limit(int(job["memory_mb"]))
         if F_MOUNT in self.features:
             self._fresh_tmp()
@@ -651,17 +696,20 @@ class Worker:
         pids: dict[str, int] = {}
         try:
             pids["program"] = self._spawn(_program_main, job, prog)
-            if checked:
-                pids["checker"] = self._spawn(_checker_main, job, chk)
+            if checker is not None:
+                ends = [pipes[n][e] for n, e in (("req", 1), ("resp", 0), ("stdout", 1))]
+                ends += [pipes["stderr"][1], pipes["verdict"][1]]
+                _send_run(checker.sock, job["tests"], ends)
         except OSError as e:
             if pids:
                 self._kill_all(pids)
                 self._reap(pids)
+            self.stop_checker()
             for r, w in pipes.values():
                 os.close(r)
                 os.close(w)
             os.close(stdin_fd)
-            return {"error": f"fork failed: {e}"}
+            return {"error": f"run start failed: {e}"}
         os.close(stdin_fd)
         keep_read = {"stdout", "stderr", "ctl", "status", "verdict"}
         for name, (r, w) in pipes.items():
@@ -688,10 +736,14 @@ class Worker:
         for fd in pidfds:
             poller.register(fd, select.POLLIN)
 
+        def verdict_done() -> bool:
+            # A whole line, or the checker closed the pipe (it died) without one.
+            return b"\n" in bufs["verdict"] or pipes["verdict"][0] not in readers
+
         def finished() -> bool:
             if not checked:
                 return "program" in exited
-            if "checker" not in exited:
+            if not verdict_done():
                 return False
             # A decisive verdict ends the run; "the program is gone" waits for its exit status.
             v = _parse_verdict(bufs["verdict"])
@@ -732,6 +784,10 @@ class Worker:
                 break
         if t_end is None:
             t_end = time.monotonic()
+        verdict = _parse_verdict(bufs["verdict"]) if checked else None
+        if checked and (verdict is None or verdict.get("kind") == "memory"):
+            # Cut off, dead or out of memory: the next run gets a fresh checker.
+            self.stop_checker()
         self._kill_all(pids)
         # Every process of the run is gone, so the pipes close at once; read what is left.
         drain_until = time.monotonic() + 1.0
@@ -768,7 +824,7 @@ class Worker:
         res = {
             "checked": checked,
             "reached_end": (not checked) and sentinel in bufs["ctl"],
-            "verdict": _parse_verdict(bufs["verdict"]) if checked else None,
+            "verdict": verdict,
             "killed": killed,
             "report": report,
             "oom_killed": oom_before is not None and (oom_after or 0) > oom_before,
@@ -794,9 +850,8 @@ class Worker:
                 res["exit_code"] = os.WEXITSTATUS(ws)
         elif not killed:
             res["error"] = "the run's process could not be waited for"
-        if "checker" in exited:
-            ru = exited["checker"][1]
-            res["checker_cpu_s"] = ru.ru_utime + ru.ru_stime
+        if verdict is not None and isinstance(verdict.get("cpu_s"), float):
+            res["checker_cpu_s"] = verdict["cpu_s"]
         return res
 
     def _fresh_tmp(self) -> None:
@@ -826,12 +881,29 @@ class Worker:
             buf += chunk
         return True
 
+    def _others(self) -> list[int]:
+        """As init: every process of the namespace but this one and the checker."""
+        spare = {1} if self.checker is None else {1, self.checker.pid}
+        return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in spare]
+
     def _kill_all(self, pids: dict[str, int]) -> None:
         """End every process of the run, however it tried to detach."""
         if self.is_init:
-            # As PID 1 of our own namespace: everything but ourselves, and nothing outside.
-            with contextlib.suppress(OSError):
-                os.kill(-1, signal.SIGKILL)
+            # As PID 1 of our own namespace, whose /proc lists exactly its processes:
+            # everything but ourselves and the checker, and nothing outside. The reaping
+            # loop kills again whatever a dying process forked after this listing.
+            if self.checker is not None and not self.own_proc:
+                # /proc is not this namespace's: no way to list the run's processes, so the
+                # checker goes with them and the next run starts another.
+                self.checker.sock.close()
+                self.checker = None
+            if self.checker is None:
+                with contextlib.suppress(OSError):
+                    os.kill(-1, signal.SIGKILL)
+                return
+            for pid in self._others():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
             return
         for pid in pids.values():
             with contextlib.suppress(OSError):
@@ -862,16 +934,30 @@ class Worker:
                     continue
                 except ChildProcessError:
                     break
-        # As init every other child was just SIGKILLed and goes at once; without a PID
-        # namespace a daemon may have escaped the kill, and waiting for it would stall.
-        deadline = time.monotonic() + (5.0 if self.is_init else 0.1)
-        while time.monotonic() < deadline:
+        # As init every other process was just SIGKILLed and goes at once (orphans come to us
+        # to be reaped); the checker, a child too, lives on. Without a PID namespace a daemon
+        # may have escaped the kill, and waiting for it would stall: reap what is dead.
+        deadline = time.monotonic() + (5.0 if self.is_init else 0.0)
+        while True:
             try:
                 got, _ = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
-            if got == 0:
-                time.sleep(0.0005)
+            if self.checker is not None and got == self.checker.pid:
+                self.checker.sock.close()
+                self.checker = None
+            if got != 0:
+                continue
+            if not self.is_init or time.monotonic() >= deadline:
+                break
+            if self.checker is not None:
+                others = self._others()
+                if not others:
+                    break
+                for pid in others:  # forked after the kill's listing
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+            time.sleep(0.0005)
         return result
 
     def handle(self, job: dict) -> dict:
@@ -995,19 +1081,20 @@ def _drop_privileges(uid: int) -> None:
 _CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp"}
 
 
-def _confine(w: Worker, job: dict, uid: int, *, cgroup: bool) -> None:
+def _confine(w: Worker, job: dict, uid: int, *, cgroup: bool, cpu_limit: bool = True) -> None:
     """Limits, uid, capabilities and the seccomp filter, in the order the kernel requires."""
     mem = int(job["memory_mb"]) << 20
-    cpu = max(1, math.ceil(float(job["timeout_s"])))
     fsize = int(job["file_size_mb"]) << 20
     nofile = int(job["max_open_files"])
     limits = [
         (resource.RLIMIT_AS, mem, mem),
-        (resource.RLIMIT_CPU, cpu, cpu + 1),
         (resource.RLIMIT_FSIZE, fsize, fsize),
         (resource.RLIMIT_NOFILE, nofile, nofile),
         (resource.RLIMIT_CORE, 0, 0),
     ]
+    if cpu_limit:
+        cpu = max(1, math.ceil(float(job["timeout_s"])))
+        limits.append((resource.RLIMIT_CPU, cpu, cpu + 1))
     if F_UID in w.features:
         # Counted per uid: meaningful only because each slot runs as its own uids.
         nproc = int(job["max_processes"])
@@ -1204,41 +1291,93 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _checker_main(w: Worker, job: dict, fds: dict) -> None:
-    """The checker's process: the slot's limits, its own uid, then the tests."""
+def _checker_main(w: Worker, job: dict, sock: socket.socket) -> None:
+    """The slot's checker: its own uid and limits, then one run's tests after another.
+
+    It lives as long as the slot (a fresh process per run would cost the fork, the copied
+    pages and the exit of a whole interpreter each time), and holds nothing between runs but
+    the tests' modules: every run gets fresh globals, fresh pipes to that run's program, and
+    its own verdict pipe. The worker replaces it whenever a run ends without its verdict (a
+    timeout, a crash, a kill) or with a MemoryError.
+    """
     os.setsid()
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    null = os.open("/dev/null", os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(fds["stdout"], 1)
-    os.dup2(fds["stderr"], 2)
-    keep = {0, 1, 2, fds["req"], fds["resp"], fds["verdict"], fds["status"]}
-    keep |= {fd for fd in (w.cg_memory, w.cg_oom) if fd is not None}
-    _close_all_but(keep)
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    keep = {0, 1, 2, null, sock.fileno()}
+    _close_all_but(keep | {fd for fd in (w.cg_memory, w.cg_oom) if fd is not None})
     os.chdir("/")
-    _confine(w, job, w.checker_uid, cgroup=False)
+    # No CPU limit: it would add up over runs; the worker's wall-clock deadline bounds each.
+    _confine(w, job, w.checker_uid, cgroup=False, cpu_limit=False)
     # After the uid change, which resets it: no process of the same uid may attach to this one
     # or read its memory or descriptors through /proc.
     _prctl(PR_SET_DUMPABLE, 0)
     sys.argv = ["tests.py"]
-    os.close(fds["status"])
-    _check_tests(job["tests"], fds["req"], fds["resp"], fds["verdict"])
+    while True:
+        got = _recv_run(sock)
+        if got is None:
+            os._exit(0)
+        tests, (req, resp, stdout, stderr, verdict_fd) = got
+        os.dup2(stdout, 1)
+        os.dup2(stderr, 2)
+        os.close(stdout)
+        os.close(stderr)
+        cpu0 = time.process_time()
+        verdict = _check_tests(tests, req, resp)
+        _flush()
+        verdict["cpu_s"] = time.process_time() - cpu0
+        for fd in (req, resp):
+            os.close(fd)
+        # The program's output pipes must close with the run: only the worker reads them.
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        try:
+            os.write(verdict_fd, json.dumps(verdict).encode() + b"\n")
+        finally:
+            os.close(verdict_fd)
+        if verdict.get("kind") == "memory":
+            os._exit(0)  # start the next run from a clean heap
 
 
-def _check_tests(tests: str, req: int, resp: int, verdict_fd: int) -> None:
-    """Run ``tests`` against the program's functions; write the one verdict and exit."""
+def _recv_run(sock: socket.socket) -> tuple[str, list[int]] | None:
+    """One run's tests and its five descriptors from the worker; None when the worker is gone."""
+    try:
+        head, fds, _, _ = socket.recv_fds(sock, 4, 5)
+    except OSError:
+        return None
+    if len(head) < 4 or len(fds) != 5:
+        for fd in fds:
+            os.close(fd)
+        return None
+    n = struct.unpack(">I", head)[0]
+    body = bytearray()
+    while len(body) < n:
+        chunk = sock.recv(min(n - len(body), 1 << 20))
+        if not chunk:
+            return None
+        body += chunk
+    return body.decode(), fds
+
+
+def _send_run(sock: socket.socket, tests: str, fds: list[int]) -> None:
+    data = tests.encode()
+    socket.send_fds(sock, [struct.pack(">I", len(data))], fds)
+    sock.sendall(data)
+
+
+def _check_tests(tests: str, req: int, resp: int) -> dict:
+    """Run ``tests`` against the program's functions; return the one verdict."""
     state = {"gone": False, "broken": False}
 
-    def verdict(obj: dict) -> None:
+    def decided(obj: dict) -> dict:
         # Once the program broke the protocol or went away, no verdict of the tests stands:
         # they may have caught what that raised.
         if state["broken"]:
-            obj = {"kind": "protocol", "phase": "tests"}
-        elif state["gone"]:
-            obj = {"kind": "gone", "phase": "tests"}
-        _flush()
-        os.write(verdict_fd, json.dumps(obj).encode() + b"\n")
-        os._exit(0)
+            return {"kind": "protocol", "phase": "tests"}
+        if state["gone"]:
+            return {"kind": "gone", "phase": "tests"}
+        return obj
 
     def exchange(msg: list) -> list:
         if state["gone"]:
@@ -1301,7 +1440,7 @@ def _check_tests(tests: str, req: int, resp: int, verdict_fd: int) -> None:
     try:
         code = compile(tests, "tests.py", "exec")
     except (SyntaxError, ValueError) as e:
-        verdict({"kind": "tests_invalid", "msg": str(e)[:500], "phase": "tests"})
+        return decided({"kind": "tests_invalid", "msg": str(e)[:500], "phase": "tests"})
     # Only names the tests use and do not find among the builtins come from the program: a
     # program's global ``len`` or ``abs`` must not replace the checker's own.
     wanted = sorted(
@@ -1326,20 +1465,20 @@ def _check_tests(tests: str, req: int, resp: int, verdict_fd: int) -> None:
                 with contextlib.suppress(Exception):
                     g[name] = importlib.import_module(desc[1])
     except (_ProgramGone, _ProtocolBroken):
-        verdict({"kind": "gone"})
+        return decided({"kind": "gone"})
     except (ValueError, TypeError):
         state["broken"] = True
-        verdict({"kind": "protocol"})
+        return decided({"kind": "protocol"})
     try:
         exec(code, g)
     except _ProgramGone:
-        verdict({"kind": "gone"})
+        return decided({"kind": "gone"})
     except _ProgramExited:
-        verdict({"kind": "exit", "exc": "SystemExit", "code": 0, "phase": "tests"})
+        return decided({"kind": "exit", "exc": "SystemExit", "code": 0, "phase": "tests"})
     except _ProtocolBroken:
-        verdict({"kind": "protocol"})
+        return decided({"kind": "protocol"})
     except MemoryError:
-        verdict({"kind": "memory", "exc": "MemoryError", "phase": "tests"})
+        return decided({"kind": "memory", "exc": "MemoryError", "phase": "tests"})
     except BaseException as e:  # noqa: BLE001 - every exception is an outcome to report
         kind = "exception"
         if isinstance(e, AssertionError):
@@ -1352,8 +1491,10 @@ def _check_tests(tests: str, req: int, resp: int, verdict_fd: int) -> None:
         _print_exception(e, skip_first=True)
         with contextlib.suppress(BaseException):
             info["msg"] = str(e)[:500]
-        verdict(info)
-    verdict({"passed": True})
+        return decided(info)
+    finally:
+        g.clear()
+    return decided({"passed": True})
 
 
 def _print_exception(e: BaseException, skip_first: bool) -> None:
@@ -1453,8 +1594,9 @@ def main() -> None:
             reply = worker.handle(job)
         except Exception as e:  # noqa: BLE001 - report, keep serving
             reply = {"error": f"{type(e).__name__}: {e}"}
+            # Whatever that run left behind must not meet the next one, the checker included.
+            worker.stop_checker()
             if worker.is_init:
-                # Whatever that run left behind must not meet the next one.
                 with contextlib.suppress(OSError):
                     os.kill(-1, signal.SIGKILL)
                 worker._reap({})
