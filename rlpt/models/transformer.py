@@ -140,6 +140,38 @@ class KVCache:
         return self.valid.shape[1]
 
 
+@struct.dataclass
+class PagedCache:
+    """Keys and values in fixed-size blocks shared by many sequences (the rollout engine's).
+
+    ``k[i]``, ``v[i]``: [D, N, block, kv_heads, head_dim], one pool of N blocks per
+    data-parallel shard D (a row of the batch only ever touches its own shard's pool, so
+    the pools split over the data axes with no communication). ``write``: [B, T] the flat
+    slot (``block * block_size + offset``, in its shard's pool) each input token's key and
+    value go to; padding tokens write to a block no sequence reads. ``read``: [B, S] the flat
+    slot of each of the row's context positions 0..S-1, in order; a query at position p sees
+    positions 0..p. B is D times the rows per shard, shard-major.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    write: jax.Array
+    read: jax.Array
+
+
+def _paged_update_and_gather(pool, new, write, read):
+    """Write ``new`` [B, T, K, H] into ``pool`` [D, N, bs, K, H]; gather [B, S, K, H] to read."""
+    shards, blocks, block, kv, hd = pool.shape
+    b, t = write.shape
+    rows = b // shards
+    flat = pool.reshape(shards, blocks * block, kv, hd)
+    flat = jax.vmap(lambda p, i, x: p.at[i].set(x))(
+        flat, write.reshape(shards, rows * t), new.reshape(shards, rows * t, kv, hd)
+    )
+    seen = jax.vmap(lambda p, i: p[i])(flat, read.reshape(shards, -1))
+    return flat.reshape(pool.shape), seen.reshape(b, read.shape[1], kv, hd)
+
+
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -169,7 +201,15 @@ class Attention(nnx.Module):
         k = apply_rotary(k, positions, inv_freq).astype(dtype)
         v = v.astype(dtype)
         q = constrain(q, ("batch", "length", "act_heads", None))
-        if layer_cache is not None:
+        if isinstance(layer_cache, PagedCache):
+            pool_k, k = _paged_update_and_gather(
+                layer_cache.k, k, layer_cache.write, layer_cache.read
+            )
+            pool_v, v = _paged_update_and_gather(
+                layer_cache.v, v, layer_cache.write, layer_cache.read
+            )
+            new_layer_cache = (pool_k, pool_v)
+        elif layer_cache is not None:
             cache_k, cache_v, index = layer_cache
             k = jax.lax.dynamic_update_slice(cache_k, k, (0, index, 0, 0))
             v = jax.lax.dynamic_update_slice(cache_v, v, (0, index, 0, 0))
@@ -227,10 +267,17 @@ class Block(nnx.Module):
 def attention_mask(
     mask: jax.Array,
     segment_ids: jax.Array | None = None,
-    cache: KVCache | None = None,
+    cache: KVCache | PagedCache | None = None,
+    positions: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Which keys each query may see: [B, T, S]; and the cache's updated validity [B, S]."""
     t = mask.shape[1]
+    if isinstance(cache, PagedCache):
+        # Context positions are in order, every one up to the query's own written: causal
+        # by position is the whole rule. Padding queries see position 0 and are ignored.
+        key_positions = jnp.arange(cache.read.shape[1])
+        allowed = key_positions[None, None, :] <= jnp.where(mask, positions, 0)[:, :, None]
+        return allowed, None
     if cache is None:
         key_valid = mask
         query_slots = jnp.arange(t)
@@ -268,19 +315,24 @@ class Transformer(nnx.Module):
         positions: jax.Array | None = None,  # [B, T] int; default: from the mask
         mask: jax.Array | None = None,  # [B, T] bool, True for real tokens
         segment_ids: jax.Array | None = None,  # [B, T] int, for packed rows
-        cache: KVCache | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
+        cache: KVCache | PagedCache | None = None,
+    ) -> tuple[jax.Array, KVCache | PagedCache | None]:
         if mask is None:
             mask = jnp.ones(tokens.shape, bool)
         mask = mask.astype(bool)
         if positions is None:
             positions = positions_from_mask(mask)
-        allowed, new_valid = attention_mask(mask, segment_ids, cache)
+        if isinstance(cache, PagedCache) and segment_ids is not None:
+            raise ValueError("segment_ids are for packed training batches, not paged decoding")
+        allowed, new_valid = attention_mask(mask, segment_ids, cache, positions)
         x = jnp.take(self.embedding[...], tokens, axis=0)
         x = constrain(x, ("batch", "length", "act_embed"))
         new_k, new_v = [], []
         for i, block in enumerate(self.blocks):
-            layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
+            if isinstance(cache, PagedCache):
+                layer_cache = PagedCache(cache.k[i], cache.v[i], cache.write, cache.read)
+            else:
+                layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
             if self.config.remat:
                 x, updated = nnx.remat(lambda blk, *a: blk(*a))(
                     block, x, positions, allowed, layer_cache
@@ -291,7 +343,9 @@ class Transformer(nnx.Module):
                 new_k.append(updated[0])
                 new_v.append(updated[1])
         x = self.final_norm(x)
-        if cache is not None:
+        if isinstance(cache, PagedCache):
+            cache = cache.replace(k=tuple(new_k), v=tuple(new_v))
+        elif cache is not None:
             cache = KVCache(
                 k=tuple(new_k), v=tuple(new_v), valid=new_valid,
                 index=cache.index + tokens.shape[1],

@@ -1,5 +1,6 @@
-"""Generation: sampling methods and the KV-cache sampler."""
+"""Generation: sampling methods, the static KV-cache sampler and the rollout engine."""
 
+from rlpt.sampling.engine import Completion, Engine, Request, RequestParams
 from rlpt.sampling.methods import GREEDY, SamplingParams, sample_tokens, sampling_log_probs
 from rlpt.sampling.sampler import (
     DEFAULT_BUCKETS,
@@ -11,6 +12,10 @@ from rlpt.sampling.sampler import (
 )
 
 __all__ = [
+    "Completion",
+    "Engine",
+    "Request",
+    "RequestParams",
     "DEFAULT_BUCKETS",
     "GREEDY",
     "SampleOutput",
