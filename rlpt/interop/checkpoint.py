@@ -209,7 +209,10 @@ def load_for_sampling(
         read_hf_config(path)  # a clear error when this is neither kind of directory
         model = load_hf_model(path, mesh=mesh)
         tokenizer_path = path
-    tokenizer = HFTokenizer(tokenizer_path, model_vocab_size=model.config.vocab_size)
+    # Sampling needs no step/answer tokens: a vocabulary with no spare embedding rows loads.
+    tokenizer = HFTokenizer(
+        tokenizer_path, model_vocab_size=model.config.vocab_size, role_tokens="none"
+    )
     graphdef, state = model.graphdef, model.state
     if adapter is not None:
         _, graphdef, lora_state = load_adapter(path, adapter, model.config, mesh=mesh)

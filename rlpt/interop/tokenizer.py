@@ -3,8 +3,12 @@
 Special roles map configured strings to single ids: pad, bos and eos come
 from ``tokenizer_config.json`` / ``special_tokens_map.json`` (pad falls back to
 eos, and bos to eos for models without one, such as Qwen2, whose prompts then
-get no bos); ``step`` and ``answer`` default to ``<step>`` and ``<answer>`` and
-are added as special tokens when the vocabulary lacks them. The chat template
+get no bos); ``step`` and ``answer`` default to ``<step>`` and ``<answer>``. Only
+training domains need those two, so ``role_tokens="none"`` (sampling) leaves them
+out; otherwise a vocabulary that lacks them gets them added when the model's embedding
+has spare rows, or, when it has none (a Llama-3-style vocabulary whose table is exactly
+full), they take the first unused reserved special tokens (``<|reserved_special_token_0|>``
+...), with a logged note. The chat template
 in ``tokenizer_config.json`` (or ``chat_template.jinja``) is rendered with
 jinja2 the way ``transformers`` does, so prompts look like training data.
 """
@@ -12,7 +16,9 @@ jinja2 the way ``transformers`` does, so prompts look like training data.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +26,11 @@ from rlpt.interop.convert import ConversionError
 from rlpt.tokenizers.base import SPECIAL_ROLES, Tokenizer
 
 DEFAULT_ROLE_STRINGS = {"step": "<step>", "answer": "<answer>"}
+TRAINING_ROLES = ("step", "answer")
+ROLE_TOKEN_MODES = ("auto", "none")
+_RESERVED = re.compile(r"<\|?reserved[_a-z]*_\d+\|?>", re.IGNORECASE)
+
+log = logging.getLogger(__name__)
 
 
 def _token_string(value) -> str | None:
@@ -49,8 +60,12 @@ class HFTokenizer(Tokenizer):
         *,
         roles: Mapping[str, str] | None = None,
         model_vocab_size: int | None = None,
+        role_tokens: str = "auto",
     ):
-        """``roles`` overrides the string of any role; ``model_vocab_size`` checks every id fits."""
+        """``roles`` overrides the string of any role; ``model_vocab_size`` checks every id fits;
+        ``role_tokens="none"`` sets up no step/answer tokens (sampling needs none)."""
+        if role_tokens not in ROLE_TOKEN_MODES:
+            raise ValueError(f"role_tokens must be one of {ROLE_TOKEN_MODES}, got {role_tokens!r}")
         try:
             from tokenizers import AddedToken
             from tokenizers import Tokenizer as _Tokenizer
@@ -69,7 +84,8 @@ class HFTokenizer(Tokenizer):
             strings[role] = _token_string(
                 config.get(f"{role}_token", special_map.get(f"{role}_token"))
             )
-        strings.update(DEFAULT_ROLE_STRINGS)
+        if role_tokens == "auto":
+            strings.update(DEFAULT_ROLE_STRINGS)
         strings.update(roles or {})
         unknown = sorted(set(strings) - set(SPECIAL_ROLES))
         if unknown:
@@ -80,13 +96,28 @@ class HFTokenizer(Tokenizer):
         strings["pad"] = strings["pad"] or strings["eos"]
         strings["bos"] = strings["bos"] or strings["eos"]
         # Added in role order (step, then answer), so their ids do not depend on the strings.
-        wanted = dict.fromkeys([strings["step"], strings["answer"]])
+        wanted = dict.fromkeys(strings[r] for r in TRAINING_ROLES if strings.get(r))
         missing = [s for s in wanted if self._tok.token_to_id(s) is None]
+        room = None if model_vocab_size is None else model_vocab_size - self.vocab_size
+        if missing and room is not None and room < len(missing):
+            # No spare embedding rows: take reserved special tokens the vocabulary already has.
+            reserved = self._unused_reserved(set(strings.values()))
+            if len(reserved) >= len(missing):
+                for role in TRAINING_ROLES:
+                    if strings.get(role) in missing:
+                        strings[role] = reserved.pop(0)
+                        log.warning(
+                            "%s: no spare embedding rows for a %s token; it is %r (reserved)",
+                            tokenizer_file, role, strings[role],
+                        )  # fmt: skip
+                missing = []
         if missing:
             self._tok.add_special_tokens([AddedToken(s, special=True) for s in missing])
         self.role_strings = strings
         self._role_ids = {}
         for role, text in strings.items():
+            if text is None:
+                continue  # a training role left out (role_tokens="none")
             token_id = self._tok.token_to_id(text)
             if token_id is None:
                 raise ConversionError(
@@ -126,8 +157,22 @@ class HFTokenizer(Tokenizer):
 
     def special_id(self, role: str) -> int:
         if role not in self._role_ids:
+            if role in TRAINING_ROLES:
+                raise ValueError(
+                    f"{self.path}: this tokenizer was loaded without a {role} token "
+                    "(role_tokens='none', for sampling); load it with role_tokens='auto'"
+                )
             raise ValueError(f"unknown special role {role!r}; allowed: {list(SPECIAL_ROLES)}")
         return self._role_ids[role]
+
+    def _unused_reserved(self, taken: set) -> list[str]:
+        """Reserved special tokens of the vocabulary (``<|reserved_special_token_N|>``), by id."""
+        added = self._tok.get_added_tokens_decoder()
+        return [
+            t.content
+            for _, t in sorted(added.items())
+            if _RESERVED.fullmatch(t.content) and t.content not in taken
+        ]
 
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         # The tokenizer's own post-processor is bypassed so bos/eos are added exactly once.
@@ -196,8 +241,11 @@ def load_hf_tokenizer(
     *,
     roles: Mapping[str, str] | None = None,
     model_vocab_size: int | None = None,
+    role_tokens: str = "auto",
 ) -> HFTokenizer:
-    return HFTokenizer(path, roles=roles, model_vocab_size=model_vocab_size)
+    return HFTokenizer(
+        path, roles=roles, model_vocab_size=model_vocab_size, role_tokens=role_tokens
+    )
 
 
 __all__ = ["DEFAULT_ROLE_STRINGS", "HFTokenizer", "load_hf_tokenizer", "render_chat_template"]

@@ -14,16 +14,19 @@ VOCAB = 300  # the model's vocabulary; the tokenizer uses 288 ids plus the 2 rlp
 WORDS = 284
 
 
-def write_tokenizer(path: str, *, bos: bool = True) -> None:
-    """A WordLevel tokenizer: <unk> <pad> <s> </s> then words w0..w283."""
+def write_tokenizer(path: str, *, bos: bool = True, reserved: int = 0) -> None:
+    """A WordLevel tokenizer: <unk> <pad> <s> </s>, words w0..w283, then ``reserved``
+    Llama-3-style reserved special tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     specials = ["<unk>", "<pad>", "<s>", "</s>"]
     vocab = {tok: i for i, tok in enumerate(specials)}
     vocab.update({f"w{i}": len(specials) + i for i in range(WORDS)})
+    extra = [f"<|reserved_special_token_{i}|>" for i in range(reserved)]
+    vocab.update({t: len(vocab) + i for i, t in enumerate(extra)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(specials)
+    tok.add_special_tokens(specials + extra)
     os.makedirs(path, exist_ok=True)
     tok.save(os.path.join(path, "tokenizer.json"))
     config = {

@@ -2,7 +2,8 @@
 
 import pytest
 
-from rlpt.interop import HFTokenizer
+from rlpt.interop import HFTokenizer, load_for_sampling
+from rlpt.interop.convert import ConversionError
 
 MESSAGES = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7"}]
 
@@ -49,3 +50,29 @@ def test_chat_template_renders_like_transformers(tokenizer_dirs, which):
     )
     assert ours == theirs
     assert ours.endswith("w7 </s> w1 ")
+
+
+def test_a_full_vocabulary_samples_without_role_tokens(
+    torch_and_transformers, hf_helpers, tmp_path
+):
+    """No spare embedding rows (a Llama-3-style table): sampling loads, training is told why."""
+    path = str(tmp_path / "full")
+    hf_helpers.build_model("llama", path, vocab_size=288)  # exactly the tokenizer's 288 ids
+    config, graphdef, state, tok = load_for_sampling(path)
+    assert config.vocab_size == tok.vocab_size == 288
+    assert tok.encode("w5 w6", add_bos=True) == [2, 9, 10]
+    with pytest.raises(ValueError, match="role_tokens"):
+        tok.step_id
+    with pytest.raises(ConversionError, match="roles"):
+        HFTokenizer(path, model_vocab_size=288)  # training wants step/answer ids
+
+
+def test_a_full_vocabulary_lends_reserved_tokens_to_the_roles(hf_helpers, tokenizer_dirs, tmp_path):
+    path = str(tmp_path / "reserved")
+    hf_helpers.write_tokenizer(path, reserved=3)  # ids 288..290 are reserved specials
+    tok = HFTokenizer(path, model_vocab_size=291)
+    assert (tok.step_id, tok.answer_id, tok.vocab_size) == (288, 289, 291)
+    assert tok.encode(f"w5 {tok.role_strings['step']} w6") == [9, 288, 10]
+    # With spare rows the roles are still added as their own tokens.
+    roomy = HFTokenizer(path, model_vocab_size=300)
+    assert (roomy.step_id, roomy.answer_id) == (291, 292)
