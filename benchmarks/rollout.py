@@ -138,6 +138,8 @@ def _throughput(graphdef, state, cfg, prompts, lengths) -> dict:
         "speedup_vs_static": round(static_s / engine_s, 2),
         "engine_decode_calls": engine.stats.decode_calls,
         "engine_prefill_calls": engine.stats.prefill_calls,
+        "engine_decode_s": round(engine.stats.decode_s, 3),
+        "engine_prefill_s": round(engine.stats.prefill_s, 3),
         "static_decode_steps": sum(max(n for _, n in b) for b in batches),
     }
 

@@ -217,10 +217,16 @@ class RolloutSection:
     # until every group in the update has rewards that vary.
     filter_groups: bool = True
     filter_max_rounds: int = 4
+    # "engine": continuous batching over `slots` decode slots with shared prompt blocks;
+    # "static": the batch decodes in lockstep until its longest row is done.
+    sampler: str = "engine"
+    slots: int = 64
 
     def __post_init__(self):
-        for name in ("batch_size", "group_size", "max_new_tokens", "filter_max_rounds"):
+        for name in ("batch_size", "group_size", "max_new_tokens", "filter_max_rounds", "slots"):
             _at_least(f"rollout.{name}", getattr(self, name), 1)
+        if self.sampler not in ("engine", "static"):
+            raise ConfigError(f"rollout.sampler must be 'engine' or 'static', got {self.sampler!r}")
         if not self.temperature > 0:
             raise ConfigError(f"rollout.temperature must be a number > 0, got {self.temperature!r}")
         if self.batch_size % self.group_size:

@@ -40,7 +40,7 @@ import numpy as np
 from rlpt import policy as policy_lib
 from rlpt.config import PostTrainConfig, parse_config
 from rlpt.runfiles import atomic_write_json
-from rlpt.sampling import DEFAULT_BUCKETS, Sampler, SamplingParams
+from rlpt.sampling import DEFAULT_BUCKETS, Sampler, SamplingParams, make_sampler
 from rlpt.tasks import Domain, Task, VerifyResult
 from rlpt.tasks.verifier import Verifier
 from rlpt.tokenizers import Tokenizer, decode_response
@@ -459,9 +459,10 @@ def evaluate_policy(
         pool = pool_from_config(config.sandbox)
     try:
         buckets = tuple(config.rollout.buckets)
-        sampler = Sampler(
-            graph, model_cfg, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, buckets=buckets
-        )
+        sampler = make_sampler(
+            config.rollout.sampler, graph, model_cfg, slots=config.rollout.slots,
+            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, buckets=buckets,
+        )  # fmt: skip
         evaluator = Evaluator(sampler, tokenizer, Verifier(domains, pool),
                               max_new_tokens=config.rollout.max_new_tokens,
                               chunk_size=config.eval.batch_size)  # fmt: skip

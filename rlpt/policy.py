@@ -20,7 +20,7 @@ from rlpt.config import PostTrainConfig, parse_config
 from rlpt.models import CausalLM, ValueModel, create_model, get_preset
 from rlpt.rl import init_train_state
 from rlpt.runfiles import read_json
-from rlpt.sampling import Sampler
+from rlpt.sampling import make_sampler
 from rlpt.tasks import Domain, get_domain
 from rlpt.tokenizers import ByteTokenizer, Tokenizer
 
@@ -124,11 +124,13 @@ class RestoredPolicy:
     step: int
     stage: str
 
-    def sampler(self, **kwargs) -> Sampler:
-        """A ``Sampler`` for this policy with the run's tokenizer and prompt buckets."""
+    def sampler(self, **kwargs):
+        """The run's sampler (``rollout.sampler``) for this policy, with its tokenizer."""
         kwargs.setdefault("buckets", tuple(self.config.rollout.buckets))
-        return Sampler(self.graph, self.model_cfg, eos_id=self.tokenizer.eos_id,
-                       pad_id=self.tokenizer.pad_id, **kwargs)  # fmt: skip
+        rollout = self.config.rollout
+        return make_sampler(rollout.sampler, self.graph, self.model_cfg, slots=rollout.slots,
+                            eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+                            **kwargs)  # fmt: skip
 
 
 def restore_policy(workdir: str) -> RestoredPolicy:

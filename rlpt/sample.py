@@ -16,7 +16,7 @@ import jax
 from absl import app, flags, logging
 
 from rlpt.models import CausalLM, create_model, get_preset
-from rlpt.sampling import Sampler, SamplingParams
+from rlpt.sampling import SAMPLERS, SamplingParams, make_sampler
 from rlpt.tokenizers import get_tokenizer
 
 _PRESET = flags.DEFINE_string("preset", "tiny", "Model size preset (random initialisation).")
@@ -33,6 +33,9 @@ _HF = flags.DEFINE_string(
 )
 _ADAPTER = flags.DEFINE_string("adapter", None, "With --hf: the LoRA adapter to sample with.")
 _CHAT = flags.DEFINE_bool("chat", False, "With --hf: format --prompt with the chat template.")
+_SAMPLER = flags.DEFINE_enum(
+    "sampler", "engine", list(SAMPLERS), "The rollout engine, or the static batch sampler."
+)
 
 
 def main(argv):
@@ -74,9 +77,9 @@ def main(argv):
         greedy=_GREEDY.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
         top_p=_TOP_P.value,
     )  # fmt: skip
-    sampler = Sampler(
-        graphdef, config, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-        stop_ids=getattr(tokenizer, "stop_ids", ()),
+    sampler = make_sampler(
+        _SAMPLER.value, graphdef, config, slots=max(8, len(prompts)), eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id, stop_ids=getattr(tokenizer, "stop_ids", ()),
     )  # fmt: skip
     out = sampler.generate(
         state, prompts, sample_key, max_new_tokens=_MAX_NEW_TOKENS.value, sampling=sampling

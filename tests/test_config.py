@@ -182,6 +182,8 @@ BAD_POST_TRAIN = [
         "ppo.num_groups must be rollout.batch_size / rollout.group_size = 8 (or None), got 4",
     ),
     ({"rollout__temperature": 0.0}, "rollout.temperature must be a number > 0, got 0.0"),
+    ({"rollout__sampler": "vllm"}, "rollout.sampler must be 'engine' or 'static', got 'vllm'"),
+    ({"rollout__slots": 0}, "rollout.slots must be >= 1, got 0"),
     (
         {"rollout__group_size": 1, "rollout__batch_size": 8, "ppo__num_minibatches": 1},
         "rollout.group_size must be >= 2 for ppo.estimator 'grpo' "

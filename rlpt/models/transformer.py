@@ -151,16 +151,40 @@ class PagedCache:
     value go to; padding tokens write to a block no sequence reads. ``read``: [B, S] the flat
     slot of each of the row's context positions 0..S-1, in order; a query at position p sees
     positions 0..p. B is D times the rows per shard, shard-major.
+
+    ``rows_k[i]``, ``rows_v[i]`` (optional, [B, S, kv_heads, head_dim]): the rows' context
+    already gathered from the pools. A decode loop gathers once per call and then writes each
+    new token both into the pool and into its row at its position, so a step reads its
+    context in place instead of gathering it again (then ``read`` is unused).
     """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     write: jax.Array
-    read: jax.Array
+    read: jax.Array | None
+    rows_k: tuple[jax.Array, ...] | None = None
+    rows_v: tuple[jax.Array, ...] | None = None
+
+    @property
+    def context(self) -> int:
+        return self.read.shape[1] if self.rows_k is None else self.rows_k[0].shape[1]
+
+    def layer(self, i: int) -> PagedCache:
+        if self.rows_k is None:
+            return PagedCache(self.k[i], self.v[i], self.write, self.read)
+        return PagedCache(self.k[i], self.v[i], self.write, None, self.rows_k[i], self.rows_v[i])
 
 
-def _paged_update_and_gather(pool, new, write, read):
-    """Write ``new`` [B, T, K, H] into ``pool`` [D, N, bs, K, H]; gather [B, S, K, H] to read."""
+def gather_context(pool: jax.Array, read: jax.Array) -> jax.Array:
+    """The context [B, S, K, H] of every row, gathered from ``pool`` [D, N, bs, K, H]."""
+    shards, blocks, block, kv, hd = pool.shape
+    flat = pool.reshape(shards, blocks * block, kv, hd)
+    seen = jax.vmap(lambda p, i: p[i])(flat, read.reshape(shards, -1))
+    return seen.reshape(read.shape[0], read.shape[1], kv, hd)
+
+
+def _paged_write(pool, new, write):
+    """``pool`` [D, N, bs, K, H] with ``new`` [B, T, K, H] written at the flat slots ``write``."""
     shards, blocks, block, kv, hd = pool.shape
     b, t = write.shape
     rows = b // shards
@@ -168,8 +192,18 @@ def _paged_update_and_gather(pool, new, write, read):
     flat = jax.vmap(lambda p, i, x: p.at[i].set(x))(
         flat, write.reshape(shards, rows * t), new.reshape(shards, rows * t, kv, hd)
     )
-    seen = jax.vmap(lambda p, i: p[i])(flat, read.reshape(shards, -1))
-    return flat.reshape(pool.shape), seen.reshape(b, read.shape[1], kv, hd)
+    return flat.reshape(pool.shape)
+
+
+def _paged_attend_to(cache: PagedCache, which: str, new, positions):
+    """The updated pool and the keys (or values) [B, S, K, H] a paged step attends to."""
+    pool = _paged_write(getattr(cache, which), new, cache.write)
+    rows = getattr(cache, f"rows_{which}")
+    if rows is None:
+        return pool, gather_context(pool, cache.read), None
+    index = jnp.arange(new.shape[0])[:, None]
+    rows = rows.at[index, positions].set(new)
+    return pool, rows, rows
 
 
 class Attention(nnx.Module):
@@ -202,13 +236,9 @@ class Attention(nnx.Module):
         v = v.astype(dtype)
         q = constrain(q, ("batch", "length", "act_heads", None))
         if isinstance(layer_cache, PagedCache):
-            pool_k, k = _paged_update_and_gather(
-                layer_cache.k, k, layer_cache.write, layer_cache.read
-            )
-            pool_v, v = _paged_update_and_gather(
-                layer_cache.v, v, layer_cache.write, layer_cache.read
-            )
-            new_layer_cache = (pool_k, pool_v)
+            pool_k, k, rows_k = _paged_attend_to(layer_cache, "k", k, positions)
+            pool_v, v, rows_v = _paged_attend_to(layer_cache, "v", v, positions)
+            new_layer_cache = (pool_k, pool_v, rows_k, rows_v)
         elif layer_cache is not None:
             cache_k, cache_v, index = layer_cache
             k = jax.lax.dynamic_update_slice(cache_k, k, (0, index, 0, 0))
@@ -275,7 +305,7 @@ def attention_mask(
     if isinstance(cache, PagedCache):
         # Context positions are in order, every one up to the query's own written: causal
         # by position is the whole rule. Padding queries see position 0 and are ignored.
-        key_positions = jnp.arange(cache.read.shape[1])
+        key_positions = jnp.arange(cache.context)
         allowed = key_positions[None, None, :] <= jnp.where(mask, positions, 0)[:, :, None]
         return allowed, None
     if cache is None:
@@ -327,10 +357,10 @@ class Transformer(nnx.Module):
         allowed, new_valid = attention_mask(mask, segment_ids, cache, positions)
         x = jnp.take(self.embedding[...], tokens, axis=0)
         x = constrain(x, ("batch", "length", "act_embed"))
-        new_k, new_v = [], []
+        new_k, new_v, new_rows_k, new_rows_v = [], [], [], []
         for i, block in enumerate(self.blocks):
             if isinstance(cache, PagedCache):
-                layer_cache = PagedCache(cache.k[i], cache.v[i], cache.write, cache.read)
+                layer_cache = cache.layer(i)
             else:
                 layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
             if self.config.remat:
@@ -342,9 +372,14 @@ class Transformer(nnx.Module):
             if updated is not None:
                 new_k.append(updated[0])
                 new_v.append(updated[1])
+                if len(updated) == 4:
+                    new_rows_k.append(updated[2])
+                    new_rows_v.append(updated[3])
         x = self.final_norm(x)
         if isinstance(cache, PagedCache):
             cache = cache.replace(k=tuple(new_k), v=tuple(new_v))
+            if cache.rows_k is not None:
+                cache = cache.replace(rows_k=tuple(new_rows_k), rows_v=tuple(new_rows_v))
         elif cache is not None:
             cache = KVCache(
                 k=tuple(new_k), v=tuple(new_v), valid=new_valid,

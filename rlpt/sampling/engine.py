@@ -41,6 +41,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import jax
@@ -50,7 +51,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from rlpt.models.config import ModelConfig
-from rlpt.models.transformer import PagedCache
+from rlpt.models.transformer import PagedCache, gather_context
 from rlpt.parallel.multihost import to_device, to_host
 from rlpt.parallel.sharding import (
     DEFAULT_RULES,
@@ -121,6 +122,8 @@ class EngineStats:
     generated_tokens: int = 0
     preemptions: int = 0
     peak_blocks: int = 0  # most blocks in use at once, all shards together
+    prefill_s: float = 0.0  # wall time in prefill calls (with their transfers)
+    decode_s: float = 0.0  # wall time in decode calls
 
 
 @dataclasses.dataclass(eq=False)
@@ -588,15 +591,20 @@ class Engine:
             model = self._model(state)
             read = _context_slots(tables, context_blocks * bs, bs)  # [D*S, context]
             flat = lambda x: x.reshape((d * s,) + x.shape[2:])  # noqa: E731
+            # The context so far, gathered once for the whole call: each step then writes
+            # its token into the rows as well as the pool and reads the rows in place.
+            with activation_sharding(self.mesh, self.rules):
+                rows_k = tuple(gather_context(p, read) for p in pool[0])
+                rows_v = tuple(gather_context(p, read) for p in pool[1])
 
             def one(carry, _):
-                k_pool, v_pool, token, pos, active, gen = carry
+                k_pool, v_pool, rows_k, rows_v, token, pos, active, gen = carry
                 with activation_sharding(self.mesh, self.rules):
-                    safe = jnp.where(active, pos, 0)[..., None]
-                    write = jnp.where(active, _slots(tables, safe, bs)[..., 0], _TRASH_BLOCK)
-                    cache = PagedCache(k_pool, v_pool, flat(write)[:, None], read)
+                    safe = jnp.where(active, pos, 0)
+                    write = jnp.where(active, _slots(tables, safe[..., None], bs)[..., 0], 0)
+                    cache = PagedCache(k_pool, v_pool, flat(write)[:, None], None, rows_k, rows_v)
                     logits, cache = model(
-                        flat(token)[:, None], flat(pos)[:, None], flat(active)[:, None],
+                        flat(token)[:, None], flat(safe)[:, None], flat(active)[:, None],
                         cache=cache,
                     )  # fmt: skip
                 step_keys = jax.vmap(jax.random.fold_in)(flat(keys), flat(gen))
@@ -604,10 +612,13 @@ class Engine:
                 new, lp = new.reshape(d, s), lp.reshape(d, s)
                 stop = jnp.any(new[..., None] == stops, axis=-1) | (gen + 1 >= limits)
                 out = (jnp.where(active, new, -1), lp)
-                carry = (cache.k, cache.v, new, pos + 1, active & ~stop, gen + 1)
+                carry = (
+                    cache.k, cache.v, cache.rows_k, cache.rows_v, new, pos + 1, active & ~stop,
+                    gen + 1,
+                )  # fmt: skip
                 return carry, out
 
-            carry = (pool[0], pool[1], token, pos, active, gen)
+            carry = (pool[0], pool[1], rows_k, rows_v, token, pos, active, gen)
             (k_pool, v_pool, *_), (tokens, logprobs) = jax.lax.scan(one, carry, None, steps)
             # [steps, D, S] -> [D, S, steps]
             return (k_pool, v_pool), tokens.transpose(1, 2, 0), logprobs.transpose(1, 2, 0)
@@ -670,7 +681,7 @@ class Engine:
         work = [g for shard_rows in rows for g in shard_rows if g.prefilled < g.prefix_len]
         if work:
             context = max(min(g.prefilled + chunk, g.prefix_len) for g in work)
-            context_blocks = _bucket(math.ceil(context / bs))
+            context_blocks = min(_context_bucket(math.ceil(context / bs)), self.max_blocks)
             r = self.prefill_rows
             tokens = np.full((self.shards, r, chunk), self.pad_id, np.int32)
             positions = np.zeros((self.shards, r, chunk), np.int32)
@@ -686,7 +697,9 @@ class Engine:
                     blocks = group.prompt_blocks[:context_blocks]
                     tables[d, i, : len(blocks)] = blocks
                     group.prefilled = stop
+            t0 = time.perf_counter()
             self._call(self._prefill_fn(context_blocks), tokens, positions, mask, tables)
+            self.stats.prefill_s += time.perf_counter() - t0
             self.stats.prefill_calls += 1
         for shard_rows in rows:
             ready += [g for g in shard_rows if g.prefilled >= g.prefix_len]
@@ -715,7 +728,7 @@ class Engine:
         if not running:
             return
         context = max(s.pos + steps for _, s in running)
-        context_blocks = min(_bucket(math.ceil(context / bs)), _bucket(self.max_blocks))
+        context_blocks = min(_context_bucket(math.ceil(context / bs)), self.max_blocks)
         d, slots = self.shards, self.slots_per_shard
         token = np.full((d, slots), self.pad_id, np.int32)
         pos = np.zeros((d, slots), np.int32)
@@ -745,9 +758,11 @@ class Engine:
             params[a, b] = (p.greedy, p.temperature, p.top_k or 0, p.top_p or 1.0)
             filtered |= (p.top_k is not None or p.top_p is not None) and not p.greedy
         fn = self._decode_fn(context_blocks, filtered)
+        t0 = time.perf_counter()
         tokens, logprobs = self._call(
             fn, token, pos, active, tables, gen, limits, stops, keys, params
         )
+        self.stats.decode_s += time.perf_counter() - t0
         self.stats.decode_calls += 1
         for i, sample in running:
             a, b = divmod(i, slots)
@@ -783,6 +798,15 @@ class Engine:
 def _bucket(n: int) -> int:
     """The next power of two at or above ``n`` (at least 1): few distinct shapes to compile."""
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def _context_bucket(n: int) -> int:
+    """Context blocks to compile for: two sizes per power of two (4, 6, 8, 12, 16, 24 ...),
+    so a step attends to at most a third more positions than the longest row needs."""
+    if n <= 4:
+        return _bucket(n)
+    step = _bucket(n) // 4
+    return -(-n // step) * step
 
 
 def _slots(tables: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
@@ -837,3 +861,150 @@ def sample_rows(
     tokens = jnp.where(greedy, jnp.argmax(log_probs, axis=-1), drawn).astype(jnp.int32)
     chosen = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen
+
+
+class EngineSampler:
+    """The static ``Sampler``'s interface (``generate``, ``generate_padded``), served by an
+    ``Engine``, so every caller of the sampler runs on continuous batching.
+
+    Rows with the same prompt next to each other (a GRPO group as the loader lays it out)
+    become one request whose samples share the prompt's KV blocks. Row i is drawn with a seed
+    taken from ``key``, so the same key gives the same rows. A state other than the last one
+    seen reaches the engine through ``update_weights`` (a new version).
+    """
+
+    def __init__(
+        self,
+        graphdef,
+        config: ModelConfig,
+        *,
+        eos_id: int,
+        pad_id: int,
+        stop_ids: Sequence[int] = (),
+        mesh: Mesh | None = None,
+        rules: Rules = DEFAULT_RULES,
+        num_slots: int = 64,
+        block_size: int = 16,
+        decode_steps: int = 8,
+        max_seq_len: int | None = None,
+        buckets: Sequence[int] | None = None,  # the static sampler's; unused here
+    ):
+        del buckets
+        self.graphdef = graphdef
+        self.config = config
+        self.eos_id = int(eos_id)
+        self.pad_id = int(pad_id)
+        self.stop_ids = tuple(sorted({int(eos_id), *map(int, stop_ids)}))
+        self.mesh = mesh
+        self.rules = rules
+        shards = 1 if mesh is None else data_parallel_size(mesh, rules)
+        self.num_slots = -(-num_slots // shards) * shards
+        self.block_size = block_size
+        self.decode_steps = decode_steps
+        self.max_seq_len = max_seq_len
+        self.engine: Engine | None = None
+        self._state = None
+        self._version = 0
+
+    @property
+    def trace_count(self) -> int:
+        return 0 if self.engine is None else self.engine.trace_count
+
+    def _engine_for(self, state) -> Engine:
+        if self.engine is None:
+            self.engine = Engine(
+                self.graphdef, state, self.config, eos_id=self.eos_id, pad_id=self.pad_id,
+                num_slots=self.num_slots, block_size=self.block_size,
+                prefill_chunk=max(self.block_size, 128 // self.block_size * self.block_size),
+                decode_steps=self.decode_steps, max_seq_len=self.max_seq_len, mesh=self.mesh,
+                rules=self.rules,
+            )  # fmt: skip
+        elif state is not self._state:
+            self._version += 1
+            self.engine.update_weights(state, self._version)
+        self._state = state
+        return self.engine
+
+    def generate(
+        self,
+        state,
+        prompts: Sequence[Sequence[int]],
+        key: jax.Array,
+        *,
+        max_new_tokens: int,
+        sampling=None,
+    ):
+        """A ``SampleOutput`` (numpy arrays), one row per prompt, as ``Sampler.generate``."""
+        from rlpt.sampling.methods import GREEDY
+        from rlpt.sampling.sampler import SampleOutput
+
+        sampling = GREEDY if sampling is None else sampling
+        prompts = [[int(t) for t in p] for p in prompts]
+        if not prompts:
+            raise ValueError("no prompts given")
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        engine = self._engine_for(state)
+        seeds = np.asarray(jax.random.randint(key, (len(prompts),), 0, 2**31 - 1))
+        requests, rows = [], []
+        start = 0
+        while start < len(prompts):
+            end = start + 1
+            limit = min(len(prompts), start + engine.slots_per_shard)
+            while end < limit and prompts[end] == prompts[start]:
+                end += 1
+            params = RequestParams(
+                max_tokens=max_new_tokens, n=end - start, greedy=sampling.greedy,
+                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                stop_ids=tuple(t for t in self.stop_ids if t != self.eos_id),
+                seed=int(seeds[start]),
+            )  # fmt: skip
+            requests.append(Request(len(requests), prompts[start], params))
+            rows.append(start)
+            start = end
+        n = len(prompts)
+        tokens = np.full((n, max_new_tokens), self.pad_id, np.int32)
+        logprobs = np.zeros((n, max_new_tokens), np.float32)
+        mask = np.zeros((n, max_new_tokens), np.float32)
+        lengths = np.zeros((n,), np.int32)
+        truncated = np.zeros((n,), bool)
+        for c in engine.generate(requests):
+            row = rows[c.request_id] + c.index
+            k = len(c.tokens)
+            tokens[row, :k], logprobs[row, :k], mask[row, :k] = c.tokens, c.logprobs, 1.0
+            lengths[row] = k
+            truncated[row] = c.finish_reason == "length"
+        return SampleOutput(
+            tokens=tokens, logprobs=logprobs, mask=mask, lengths=lengths, truncated=truncated
+        )
+
+    def generate_padded(
+        self,
+        state,
+        tokens: np.ndarray,  # [B, P] left-padded prompt ids
+        mask: np.ndarray,  # [B, P] bool
+        key: jax.Array,
+        *,
+        max_new_tokens: int,
+        sampling=None,
+    ):
+        """As ``Sampler.generate_padded``: prompts already padded (a loader's batch)."""
+        tokens, mask = np.asarray(tokens), np.asarray(mask, bool)
+        prompts = [row[m].tolist() for row, m in zip(tokens, mask)]
+        return self.generate(state, prompts, key, max_new_tokens=max_new_tokens, sampling=sampling)
+
+
+SAMPLERS = ("engine", "static")
+
+
+def make_sampler(kind: str, graphdef, config: ModelConfig, *, slots: int = 64, **kwargs):
+    """``rollout.sampler``: the engine ("engine", continuous batching) or the static sampler
+    ("static", a batch decoded in lockstep to its longest row). ``kwargs``: eos_id, pad_id,
+    stop_ids, buckets, mesh, rules."""
+    if kind == "engine":
+        return EngineSampler(graphdef, config, num_slots=slots, **kwargs)
+    if kind == "static":
+        from rlpt.sampling.sampler import Sampler
+
+        return Sampler(graphdef, config, **kwargs)
+    raise ValueError(f"rollout.sampler must be one of {SAMPLERS}, got {kind!r}")

@@ -55,7 +55,7 @@ from rlpt.policy import RUN_CONFIG_FILE, full_policy
 from rlpt.rewards.learned import LearnedRewards
 from rlpt.roles import COUNTERS, PPOLearner, RewardRole, RolloutWorker, make_rule_reward
 from rlpt.runfiles import atomic_write_json, check_workdir, read_json, set_aside_run_files
-from rlpt.sampling import Sampler, SamplingParams
+from rlpt.sampling import SamplingParams, make_sampler
 from rlpt.sandbox import pool_from_config
 from rlpt.tasks import Verifier
 from rlpt.trainers import learned_rewards, outputs
@@ -136,8 +136,9 @@ class PostTrainRun:
         # logical-axis rules over it.
         self.mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
         buckets = tuple(config.rollout.buckets)
-        self.sampler = Sampler(
-            self.policy_graph, self.model_cfg, eos_id=self.tokenizer.eos_id,
+        self.sampler = make_sampler(
+            config.rollout.sampler, self.policy_graph, self.model_cfg,
+            slots=config.rollout.slots, eos_id=self.tokenizer.eos_id,
             pad_id=self.tokenizer.pad_id, buckets=buckets, mesh=self.mesh,
         )  # fmt: skip
 
