@@ -887,9 +887,13 @@ class EngineSampler:
         block_size: int = 16,
         decode_steps: int = 8,
         max_seq_len: int | None = None,
-        buckets: Sequence[int] | None = None,  # the static sampler's; unused here
+        buckets: Sequence[int] | None = None,
     ):
-        del buckets
+        from rlpt.sampling.sampler import DEFAULT_BUCKETS
+
+        # Prompt lengths a loader pads to (as for the static sampler); the engine itself
+        # takes each prompt without its padding.
+        self.buckets = tuple(sorted(buckets or DEFAULT_BUCKETS))
         self.graphdef = graphdef
         self.config = config
         self.eos_id = int(eos_id)

@@ -62,7 +62,7 @@ def test_a_full_vocabulary_samples_without_role_tokens(
     assert config.vocab_size == tok.vocab_size == 288
     assert tok.encode("w5 w6", add_bos=True) == [2, 9, 10]
     with pytest.raises(ValueError, match="role_tokens"):
-        tok.step_id
+        _ = tok.step_id
     with pytest.raises(ConversionError, match="roles"):
         HFTokenizer(path, model_vocab_size=288)  # training wants step/answer ids
 
