@@ -2,8 +2,13 @@
 
     python benchmarks/rl_iteration.py --vocab=264 --layers=4 --d_model=256 --heads=4 \
         --kv_heads=2 --ffn=768 --batch=16 --prompt_len=32 --gen_len=64 --steps=5
+    python benchmarks/rl_iteration.py --lengths=lognormal --gen_len=512   # long-tailed
 
-Each iteration: generate from the prompts (KV-cache sampler, temperature 1),
+Each iteration: generate from the prompts (the rollout engine, or ``--sampler=static``,
+temperature 1; with ``--lengths=lognormal`` each response ends (stands for EOS) at a length
+drawn from a log-normal with median ``--median_len`` capped at ``--gen_len``: the engine gets
+it as the request's max_tokens, the static sampler decodes to the batch's longest and masks
+past each row's length),
 recompute the policy's old log-probabilities and the reference log-probabilities,
 value estimates, a rule reward (the fraction of even token ids in the response,
 which needs no sandbox), GAE, and one PPO update (policy and critic). Prints a
@@ -15,6 +20,7 @@ per second) and the share of time in each phase.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -28,7 +34,7 @@ from absl import app, flags  # noqa: E402
 
 from rlpt.models import CausalLM, ModelConfig, ValueModel, create_model  # noqa: E402
 from rlpt.rl import PPOConfig, PPOTrainer, init_train_state, new_rollout_batch  # noqa: E402
-from rlpt.sampling import Sampler, SamplingParams  # noqa: E402
+from rlpt.sampling import Engine, Request, RequestParams, Sampler, SamplingParams  # noqa: E402
 
 _VOCAB = flags.DEFINE_integer("vocab", 264, "Vocabulary size.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Transformer blocks.")
@@ -41,6 +47,11 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Prompt tokens.")
 _GEN_LEN = flags.DEFINE_integer("gen_len", 64, "Generated tokens per sequence.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Timed iterations (after one warm-up).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+_SAMPLER = flags.DEFINE_enum("sampler", "engine", ["engine", "static"], "Generator.")
+_LENGTHS = flags.DEFINE_enum(
+    "lengths", "fixed", ["fixed", "lognormal"], "Every response gen_len tokens, or long-tailed."
+)
+_MEDIAN_LEN = flags.DEFINE_integer("median_len", None, "Median length (default gen_len // 4).")
 
 
 def main(argv):
@@ -57,11 +68,49 @@ def main(argv):
     ppo = PPOConfig(epochs=1, num_minibatches=1, kl_coef=0.05, learning_rate=1e-5)
     trainer = PPOTrainer(ppo, policy_graph, value_graph)
     state = init_train_state(ppo, policy, value, jax.random.key(2))
-    # No stop token (-1 never occurs): every response has exactly gen_len tokens.
+    # No stop token (-1 never occurs): responses end at their length.
     sampler = Sampler(policy_graph, cfg, eos_id=-1, pad_id=0, buckets=(prompt_len,))
+    engine = None
+    if _SAMPLER.value == "engine":
+        engine = Engine(
+            policy_graph, policy, cfg, eos_id=-1, pad_id=0, num_slots=batch,
+            block_size=16, decode_steps=8,
+        )  # fmt: skip
     rng = np.random.default_rng(0)
     prompts = rng.integers(5, _VOCAB.value, (batch, prompt_len)).tolist()
     prompt_tokens, prompt_mask = sampler.prepare(prompts, gen_len)
+    median = _MEDIAN_LEN.value or max(1, gen_len // 4)
+
+    def lengths_for(i: int) -> np.ndarray:
+        if _LENGTHS.value == "fixed":
+            return np.full(batch, gen_len)
+        draw = np.random.default_rng(1000 + i).standard_normal(batch)
+        sigma = math.log(gen_len / median) / 2.3263  # gen_len at the 99th percentile
+        return np.clip(np.round(median * np.exp(sigma * draw)), 1, gen_len).astype(int)
+
+    def generate(st, i: int):
+        """(tokens, mask) [batch, gen_len] of iteration i's responses."""
+        lengths = lengths_for(i)
+        tokens = np.zeros((batch, gen_len), np.int32)
+        mask = np.zeros((batch, gen_len), np.float32)
+        if engine is not None:
+            engine.update_weights(st.policy, version=i)
+            done = engine.generate([
+                Request(j, p, RequestParams(max_tokens=int(n), seed=100 * i + j))
+                for j, (p, n) in enumerate(zip(prompts, lengths))
+            ])  # fmt: skip
+            for c in done:
+                tokens[c.request_id, : len(c.tokens)] = c.tokens
+                mask[c.request_id, : len(c.tokens)] = 1.0
+            return tokens, mask
+        longest = int(lengths.max())
+        out = sampler.generate(
+            st.policy, prompts, jax.random.key(100 + i), max_new_tokens=longest,
+            sampling=SamplingParams(),
+        )  # fmt: skip
+        tokens[:, :longest] = out.tokens
+        mask[:, :longest] = np.arange(longest)[None, :] < lengths[:, None]
+        return tokens, mask
 
     phases: dict[str, list[float]] = {"generate": [], "score": [], "advantages": [], "update": []}
     totals = []
@@ -70,14 +119,11 @@ def main(argv):
     def iteration(i: int, record: bool):
         st = state_box["state"]
         t0 = time.perf_counter()
-        out = sampler.generate(
-            st.policy, prompts, jax.random.key(100 + i), max_new_tokens=gen_len,
-            sampling=SamplingParams(),
-        )  # fmt: skip
+        tokens, mask = generate(st, i)
         t1 = time.perf_counter()
-        reward = (out.tokens % 2 == 0).mean(axis=1) * 1.0
+        reward = ((tokens % 2 == 0) * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1.0)
         rollout = new_rollout_batch(
-            prompt_tokens, prompt_mask, out.tokens, out.mask, sequence_rewards=reward
+            prompt_tokens, prompt_mask, tokens, mask, sequence_rewards=reward
         )
         rollout = jax.block_until_ready(trainer.score(st, reference, rollout))
         t2 = time.perf_counter()
@@ -97,14 +143,16 @@ def main(argv):
     for i in range(1, _STEPS.value + 1):
         iteration(i, record=True)
     s_per_iter = statistics.median(totals)
-    tokens = batch * (prompt_len + gen_len)
+    tokens = batch * prompt_len + int(
+        np.mean([lengths_for(i).sum() for i in range(1, _STEPS.value + 1)])
+    )
     print(
         json.dumps(
             {
                 "vocab": cfg.vocab_size, "layers": cfg.n_layers, "d_model": cfg.d_model,
                 "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "ffn": cfg.ffn_dim,
                 "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
-                "dtype": cfg.dtype,
+                "dtype": cfg.dtype, "sampler": _SAMPLER.value, "lengths": _LENGTHS.value,
                 "compile_s": round(first - s_per_iter, 2),
                 "s_per_iter": round(s_per_iter, 4),
                 "tokens_per_s": round(tokens / s_per_iter, 1),

@@ -91,6 +91,8 @@ class RequestParams:
             raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if len(self.stop_ids) > _MAX_STOP_IDS - 1:
             raise ValueError(f"at most {_MAX_STOP_IDS - 1} stop_ids per request")
 
@@ -147,7 +149,6 @@ class _Group:
 class _Sample:
     group: _Group
     index: int
-    key: np.ndarray  # [2] uint32
     slot: int = -1  # local slot in its shard
     blocks: list[int] = dataclasses.field(default_factory=list)
     pos: int = 0  # position of the next input token
@@ -283,11 +284,7 @@ class Engine:
             if p.stop_strings and self.decode_fn is None:
                 raise ValueError(f"request {request.id!r}: stop_strings need a decode_fn")
             group = _Group(Request(request.id, prompt, p), next(self._order))
-            base = jax.random.PRNGKey(p.seed)
-            group.samples = [
-                _Sample(group, i, np.asarray(jax.random.fold_in(base, i), np.uint32))
-                for i in range(p.n)
-            ]
+            group.samples = [_Sample(group, i) for i in range(p.n)]
             self._waiting.append(group)
 
     def update_weights(self, state, version: int, *, in_flight: str = "continue") -> None:
@@ -584,13 +581,17 @@ class Engine:
 
         def run(state, pool, token, pos, active, tables, gen, limits, stops, keys, params):
             # per slot [D, S]: token, pos, active, gen (tokens made so far), limits (max
-            # tokens); tables [D, S, context_blocks]; stops [D, S, M]; keys [D, S, 2];
+            # tokens); tables [D, S, context_blocks]; stops [D, S, M]; keys [D, S, 2]: the
+            # request's seed and the sample's index (keys are made here, not on the host);
             # params [D, S, 4]: greedy, temperature, top_k (0: off), top_p.
             self.trace_count += 1
             d, s = token.shape
             model = self._model(state)
             read = _context_slots(tables, context_blocks * bs, bs)  # [D*S, context]
             flat = lambda x: x.reshape((d * s,) + x.shape[2:])  # noqa: E731
+            sample_keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.PRNGKey(k[0]), k[1]))(
+                flat(keys)
+            )
             # The context so far, gathered once for the whole call: each step then writes
             # its token into the rows as well as the pool and reads the rows in place.
             with activation_sharding(self.mesh, self.rules):
@@ -607,7 +608,7 @@ class Engine:
                         flat(token)[:, None], flat(safe)[:, None], flat(active)[:, None],
                         cache=cache,
                     )  # fmt: skip
-                step_keys = jax.vmap(jax.random.fold_in)(flat(keys), flat(gen))
+                step_keys = jax.vmap(jax.random.fold_in)(sample_keys, flat(gen))
                 new, lp = sample_rows(logits[:, 0], step_keys, flat(params), filtered)
                 new, lp = new.reshape(d, s), lp.reshape(d, s)
                 stop = jnp.any(new[..., None] == stops, axis=-1) | (gen + 1 >= limits)
@@ -754,7 +755,7 @@ class Engine:
             limits[a, b] = p.max_tokens
             ids = sorted({self.eos_id, *p.stop_ids})
             stops[a, b, : len(ids)] = ids
-            keys[a, b] = sample.key
+            keys[a, b] = (p.seed, sample.index)
             params[a, b] = (p.greedy, p.temperature, p.top_k or 0, p.top_p or 1.0)
             filtered |= (p.top_k is not None or p.top_p is not None) and not p.greedy
         fn = self._decode_fn(context_blocks, filtered)
