@@ -1,14 +1,7 @@
 """Generation: sampling methods, the static KV-cache sampler and the rollout engine."""
 
-from rlpt.sampling.engine import (
-    SAMPLERS,
-    Completion,
-    Engine,
-    EngineSampler,
-    Request,
-    RequestParams,
-    make_sampler,
-)
+from rlpt.sampling.engine import Completion, Engine, Request, RequestParams
+from rlpt.sampling.engine_sampler import SAMPLERS, EngineSampler, make_sampler
 from rlpt.sampling.methods import GREEDY, SamplingParams, sample_tokens, sampling_log_probs
 from rlpt.sampling.sampler import (
     DEFAULT_BUCKETS,

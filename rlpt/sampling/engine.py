@@ -61,6 +61,7 @@ from rlpt.parallel.sharding import (
     logical_to_spec,
     state_shardings,
 )
+from rlpt.sampling.methods import sample_rows
 
 _TRASH_BLOCK = 0  # block 0 of every shard: where idle rows write, never read
 _MAX_STOP_IDS = 8
@@ -138,7 +139,6 @@ class _Group:
     prompt_blocks: list[int] = dataclasses.field(default_factory=list)
     prefilled: int = 0  # prompt tokens (of all but the last) already in the cache
     samples: list[_Sample] = dataclasses.field(default_factory=list)
-    finished: int = 0
 
     @property
     def prefix_len(self) -> int:
@@ -332,9 +332,8 @@ class Engine:
         done: list[Completion] = []
         while self.has_work():
             done += self.step()
-        rank = {id(r): i for i, r in enumerate(requests)}
-        by_id = {r.id: rank[id(r)] for r in requests}
-        return sorted(done, key=lambda c: (by_id.get(c.request_id, -1), c.index))
+        order = {r.id: i for i, r in enumerate(requests)}
+        return sorted(done, key=lambda c: (order.get(c.request_id, -1), c.index))
 
     def blocks_in_use(self) -> int:
         return int(sum(self.num_blocks - 1 - len(free) for free in self._free_blocks))
@@ -427,7 +426,7 @@ class Engine:
             sample.slot, sample.blocks, sample.pos = -1, [], 0
             sample.tokens, sample.logprobs, sample.versions = [], [], []
         self._release_group(group)
-        group.shard, group.prefilled, group.finished = -1, 0, 0
+        group.shard, group.prefilled = -1, 0
         if group not in self._waiting:
             self._waiting.appendleft(group)
 
@@ -483,7 +482,6 @@ class Engine:
                 finish_reason=reason,
             )
         )
-        group.finished += 1
 
     # -- device work ----------------------------------------------------------------------------
 
@@ -525,7 +523,7 @@ class Engine:
             return state
         return to_device(state, state_shardings(state, self.mesh, self.rules))
 
-    def _jit(self, name, fn, n_rows_args: int, n_rows_out: int, ndims: tuple, out_ndims: tuple):
+    def _jit(self, fn, ndims: tuple, out_ndims: tuple):
         """jit with the engine's shardings: state, pools, row arrays (shard-major)."""
         if self.mesh is None:
             return jax.jit(fn, donate_argnums=(1,))
@@ -534,7 +532,6 @@ class Engine:
         pools = ((pool,) * n, (pool,) * n)
         rows_in = tuple(self._rows_sharding(d) for d in ndims)
         rows_out = tuple(self._rows_sharding(d) for d in out_ndims)
-        del n_rows_args, n_rows_out
         return jax.jit(
             fn,
             in_shardings=(state_shardings(self.state, self.mesh, self.rules), pools, *rows_in),
@@ -569,7 +566,7 @@ class Engine:
                 )
             return (cache.k, cache.v), jnp.zeros((d,), jnp.int32)
 
-        fn = self._jit("prefill", run, 4, 1, (3, 3, 3, 3), (1,))
+        fn = self._jit(run, (3, 3, 3, 3), (1,))
         self._fns[key] = fn
         return fn
 
@@ -602,7 +599,9 @@ class Engine:
                 k_pool, v_pool, rows_k, rows_v, token, pos, active, gen = carry
                 with activation_sharding(self.mesh, self.rules):
                     safe = jnp.where(active, pos, 0)
-                    write = jnp.where(active, _slots(tables, safe[..., None], bs)[..., 0], 0)
+                    write = jnp.where(
+                        active, _slots(tables, safe[..., None], bs)[..., 0], _TRASH_BLOCK * bs
+                    )
                     cache = PagedCache(k_pool, v_pool, flat(write)[:, None], None, rows_k, rows_v)
                     logits, cache = model(
                         flat(token)[:, None], flat(safe)[:, None], flat(active)[:, None],
@@ -625,7 +624,7 @@ class Engine:
             return (k_pool, v_pool), tokens.transpose(1, 2, 0), logprobs.transpose(1, 2, 0)
 
         ndims = (2, 2, 2, 3, 2, 2, 3, 3, 3)
-        fn = self._jit("decode", run, 9, 2, ndims, (3, 3))
+        fn = self._jit(run, ndims, (3, 3))
         self._fns[key] = fn
         return fn
 
@@ -646,7 +645,7 @@ class Engine:
                 (src.shape[0],), jnp.int32
             )
 
-        fn = self._jit("copy", run, 2, 1, (2, 2), (1,))
+        fn = self._jit(run, (2, 2), (1,))
         self._fns[key] = fn
         return fn
 
@@ -821,195 +820,3 @@ def _context_slots(tables: jax.Array, length: int, block_size: int) -> jax.Array
     rows = tables.reshape(-1, tables.shape[-1])
     positions = jnp.arange(length)
     return rows[:, positions // block_size] * block_size + positions % block_size
-
-
-def sample_rows(
-    logits: jax.Array,  # [B, V]
-    keys: jax.Array,  # [B, 2] uint32
-    params: jax.Array,  # [B, 4] float32: greedy, temperature, top_k (0: off), top_p
-    filtered: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """Per-row sampling settings: tokens [B] and their sampling log-probs [B].
-
-    The same rule as ``rlpt.sampling.methods.sampling_log_probs`` row by row: greedy takes
-    the arg-max of the temperature-1 distribution; otherwise logits / temperature, then top-k,
-    then top-p on what top-k kept, renormalised. ``filtered`` (static) skips the sort when no
-    row uses top-k or top-p.
-    """
-    greedy = params[:, 0] > 0
-    temperature = jnp.where(greedy, 1.0, params[:, 1])
-    logits = logits.astype(jnp.float32) / temperature[:, None]
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    if filtered:
-        neg_inf = jnp.finfo(jnp.float32).min
-        top_k = params[:, 2].astype(jnp.int32)
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        rank = jnp.arange(logits.shape[-1])[None, :]
-        keep_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
-        sorted_logits = jnp.where(keep_k, sorted_logits, neg_inf)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep_sorted = keep_k & ((params[:, 3:4] >= 1.0) | (mass_before < params[:, 3:4]))
-        keep = (
-            jnp.zeros_like(keep_sorted)
-            .at[jnp.arange(logits.shape[0])[:, None], order]
-            .set(keep_sorted)
-        )
-        filtered_lp = jax.nn.log_softmax(jnp.where(keep, logits, neg_inf), axis=-1)
-        log_probs = jnp.where(greedy[:, None], log_probs, filtered_lp)
-    drawn = jax.vmap(jax.random.categorical)(keys, log_probs)
-    tokens = jnp.where(greedy, jnp.argmax(log_probs, axis=-1), drawn).astype(jnp.int32)
-    chosen = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
-    return tokens, chosen
-
-
-class EngineSampler:
-    """The static ``Sampler``'s interface (``generate``, ``generate_padded``), served by an
-    ``Engine``, so every caller of the sampler runs on continuous batching.
-
-    Rows with the same prompt next to each other (a GRPO group as the loader lays it out)
-    become one request whose samples share the prompt's KV blocks. Row i is drawn with a seed
-    taken from ``key``, so the same key gives the same rows. A state other than the last one
-    seen reaches the engine through ``update_weights`` (a new version).
-    """
-
-    def __init__(
-        self,
-        graphdef,
-        config: ModelConfig,
-        *,
-        eos_id: int,
-        pad_id: int,
-        stop_ids: Sequence[int] = (),
-        mesh: Mesh | None = None,
-        rules: Rules = DEFAULT_RULES,
-        num_slots: int = 64,
-        block_size: int = 16,
-        decode_steps: int = 8,
-        max_seq_len: int | None = None,
-        buckets: Sequence[int] | None = None,
-    ):
-        from rlpt.sampling.sampler import DEFAULT_BUCKETS
-
-        # Prompt lengths a loader pads to (as for the static sampler); the engine itself
-        # takes each prompt without its padding.
-        self.buckets = tuple(sorted(buckets or DEFAULT_BUCKETS))
-        self.graphdef = graphdef
-        self.config = config
-        self.eos_id = int(eos_id)
-        self.pad_id = int(pad_id)
-        self.stop_ids = tuple(sorted({int(eos_id), *map(int, stop_ids)}))
-        self.mesh = mesh
-        self.rules = rules
-        shards = 1 if mesh is None else data_parallel_size(mesh, rules)
-        self.num_slots = -(-num_slots // shards) * shards
-        self.block_size = block_size
-        self.decode_steps = decode_steps
-        self.max_seq_len = max_seq_len
-        self.engine: Engine | None = None
-        self._state = None
-        self._version = 0
-
-    @property
-    def trace_count(self) -> int:
-        return 0 if self.engine is None else self.engine.trace_count
-
-    def _engine_for(self, state) -> Engine:
-        if self.engine is None:
-            self.engine = Engine(
-                self.graphdef, state, self.config, eos_id=self.eos_id, pad_id=self.pad_id,
-                num_slots=self.num_slots, block_size=self.block_size,
-                prefill_chunk=max(self.block_size, 128 // self.block_size * self.block_size),
-                decode_steps=self.decode_steps, max_seq_len=self.max_seq_len, mesh=self.mesh,
-                rules=self.rules,
-            )  # fmt: skip
-        elif state is not self._state:
-            self._version += 1
-            self.engine.update_weights(state, self._version)
-        self._state = state
-        return self.engine
-
-    def generate(
-        self,
-        state,
-        prompts: Sequence[Sequence[int]],
-        key: jax.Array,
-        *,
-        max_new_tokens: int,
-        sampling=None,
-    ):
-        """A ``SampleOutput`` (numpy arrays), one row per prompt, as ``Sampler.generate``."""
-        from rlpt.sampling.methods import GREEDY
-        from rlpt.sampling.sampler import SampleOutput
-
-        sampling = GREEDY if sampling is None else sampling
-        prompts = [[int(t) for t in p] for p in prompts]
-        if not prompts:
-            raise ValueError("no prompts given")
-        if max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        engine = self._engine_for(state)
-        seeds = np.asarray(jax.random.randint(key, (len(prompts),), 0, 2**31 - 1))
-        requests, rows = [], []
-        start = 0
-        while start < len(prompts):
-            end = start + 1
-            limit = min(len(prompts), start + engine.slots_per_shard)
-            while end < limit and prompts[end] == prompts[start]:
-                end += 1
-            params = RequestParams(
-                max_tokens=max_new_tokens, n=end - start, greedy=sampling.greedy,
-                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                stop_ids=tuple(t for t in self.stop_ids if t != self.eos_id),
-                seed=int(seeds[start]),
-            )  # fmt: skip
-            requests.append(Request(len(requests), prompts[start], params))
-            rows.append(start)
-            start = end
-        n = len(prompts)
-        tokens = np.full((n, max_new_tokens), self.pad_id, np.int32)
-        logprobs = np.zeros((n, max_new_tokens), np.float32)
-        mask = np.zeros((n, max_new_tokens), np.float32)
-        lengths = np.zeros((n,), np.int32)
-        truncated = np.zeros((n,), bool)
-        for c in engine.generate(requests):
-            row = rows[c.request_id] + c.index
-            k = len(c.tokens)
-            tokens[row, :k], logprobs[row, :k], mask[row, :k] = c.tokens, c.logprobs, 1.0
-            lengths[row] = k
-            truncated[row] = c.finish_reason == "length"
-        return SampleOutput(
-            tokens=tokens, logprobs=logprobs, mask=mask, lengths=lengths, truncated=truncated
-        )
-
-    def generate_padded(
-        self,
-        state,
-        tokens: np.ndarray,  # [B, P] left-padded prompt ids
-        mask: np.ndarray,  # [B, P] bool
-        key: jax.Array,
-        *,
-        max_new_tokens: int,
-        sampling=None,
-    ):
-        """As ``Sampler.generate_padded``: prompts already padded (a loader's batch)."""
-        tokens, mask = np.asarray(tokens), np.asarray(mask, bool)
-        prompts = [row[m].tolist() for row, m in zip(tokens, mask)]
-        return self.generate(state, prompts, key, max_new_tokens=max_new_tokens, sampling=sampling)
-
-
-SAMPLERS = ("engine", "static")
-
-
-def make_sampler(kind: str, graphdef, config: ModelConfig, *, slots: int = 64, **kwargs):
-    """``rollout.sampler``: the engine ("engine", continuous batching) or the static sampler
-    ("static", a batch decoded in lockstep to its longest row). ``kwargs``: eos_id, pad_id,
-    stop_ids, buckets, mesh, rules."""
-    if kind == "engine":
-        return EngineSampler(graphdef, config, num_slots=slots, **kwargs)
-    if kind == "static":
-        from rlpt.sampling.sampler import Sampler
-
-        return Sampler(graphdef, config, **kwargs)
-    raise ValueError(f"rollout.sampler must be one of {SAMPLERS}, got {kind!r}")

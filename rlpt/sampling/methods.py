@@ -75,3 +75,44 @@ def sample_tokens(
         tokens = jax.random.categorical(key, log_probs, axis=-1)
     chosen = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
     return tokens.astype(jnp.int32), chosen
+
+
+def sample_rows(
+    logits: jax.Array,  # [B, V]
+    keys: jax.Array,  # [B, 2] uint32
+    params: jax.Array,  # [B, 4] float32: greedy, temperature, top_k (0: off), top_p
+    filtered: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-row sampling settings: tokens [B] and their sampling log-probs [B].
+
+    The same rule as ``rlpt.sampling.methods.sampling_log_probs`` row by row: greedy takes
+    the arg-max of the temperature-1 distribution; otherwise logits / temperature, then top-k,
+    then top-p on what top-k kept, renormalised. ``filtered`` (static) skips the sort when no
+    row uses top-k or top-p.
+    """
+    greedy = params[:, 0] > 0
+    temperature = jnp.where(greedy, 1.0, params[:, 1])
+    logits = logits.astype(jnp.float32) / temperature[:, None]
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    if filtered:
+        neg_inf = jnp.finfo(jnp.float32).min
+        top_k = params[:, 2].astype(jnp.int32)
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        rank = jnp.arange(logits.shape[-1])[None, :]
+        keep_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+        sorted_logits = jnp.where(keep_k, sorted_logits, neg_inf)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep_sorted = keep_k & ((params[:, 3:4] >= 1.0) | (mass_before < params[:, 3:4]))
+        keep = (
+            jnp.zeros_like(keep_sorted)
+            .at[jnp.arange(logits.shape[0])[:, None], order]
+            .set(keep_sorted)
+        )
+        filtered_lp = jax.nn.log_softmax(jnp.where(keep, logits, neg_inf), axis=-1)
+        log_probs = jnp.where(greedy[:, None], log_probs, filtered_lp)
+    drawn = jax.vmap(jax.random.categorical)(keys, log_probs)
+    tokens = jnp.where(greedy, jnp.argmax(log_probs, axis=-1), drawn).astype(jnp.int32)
+    chosen = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen

@@ -10,7 +10,8 @@ from rlpt.models import CausalLM, create_model, get_preset
 from rlpt.parallel import make_mesh
 from rlpt.rl.ppo import response_log_probs
 from rlpt.sampling import Sampler, SamplingParams, sampling_log_probs
-from rlpt.sampling.engine import Engine, Request, RequestParams, sample_rows
+from rlpt.sampling.engine import Engine, Request, RequestParams
+from rlpt.sampling.methods import sample_rows
 
 CFG = get_preset("tiny")
 EOS, PAD = 2, 0
