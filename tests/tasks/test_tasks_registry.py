@@ -79,9 +79,15 @@ def test_domain_by_import_path(user_module):
     assert get_domain(f"{user_module}:echo_instance").width == 1
 
 
-def test_register_user_domain_and_reward_by_name(user_module):
+def test_register_user_domain_and_reward_by_name(user_module, monkeypatch):
     import importlib
 
+    from rlpt.tasks import registry
+
+    # The registries are process-wide: other tests in this process (error messages that list
+    # the registered names) must not see these entries.
+    monkeypatch.setattr(registry, "_DOMAINS", dict(registry._DOMAINS))
+    monkeypatch.setattr(registry, "_REWARDS", dict(registry._REWARDS))
     mod = importlib.import_module(user_module)
     register_domain("echo_for_test", mod.EchoDomain, overwrite=True)
     register_reward("shouting_for_test", mod.shouting, overwrite=True)
