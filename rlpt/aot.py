@@ -94,8 +94,8 @@ def compile_ppo_step(
         tokens=spec((batch, length), jnp.int32), positions=spec((batch, length), jnp.int32),
         input_mask=spec((batch, length), jnp.bool_),
         **{name: spec((batch, gen_len), jnp.float32) for name in (
-            "response_mask", "rewards", "old_logp", "ref_logp", "values", "advantages",
-            "returns", "step_mask")},
+            "response_mask", "rewards", "old_logp", "behaviour_logp", "ref_logp", "values",
+            "advantages", "returns", "step_mask")},
         loss_weight=spec((batch,), jnp.float32), group_id=spec((batch,), jnp.int32),
         truncated=spec((batch,), jnp.bool_), imitation_weight=spec((batch,), jnp.float32),
     )  # fmt: skip

@@ -19,9 +19,11 @@ class RolloutBatch:
     """A rollout ready for ``ppo_update``.
 
     Fields filled at sampling time: ``tokens``, ``positions``, ``input_mask``,
-    ``response_mask``, ``truncated``. Filled by scoring (``score_rollout``):
-    ``old_logp`` (the policy's own log-probabilities at the sampling temperature,
-    recomputed, never the sampler's), ``ref_logp``, ``values``. Filled by ``compute_advantages``:
+    ``response_mask``, ``truncated``, ``behaviour_logp`` (the sampler's own log-probabilities
+    of the ids it drew; zero where the sampler gave none). Filled by scoring
+    (``score_rollout``): ``old_logp`` (the proximal policy of the ratio: the policy's
+    log-probabilities at the sampling temperature, recomputed, or with
+    ``PPOConfig.old_logprobs = "behaviour"`` the sampler's), ``ref_logp``, ``values``. Filled by ``compute_advantages``:
     ``advantages``, ``returns`` (and ``rewards`` may gain a KL penalty).
     """
 
@@ -31,6 +33,7 @@ class RolloutBatch:
     response_mask: jax.Array  # [B, T] float32, 1 for real response tokens
     rewards: jax.Array  # [B, T] float32 per-token rewards
     old_logp: jax.Array  # [B, T] float32
+    behaviour_logp: jax.Array  # [B, T] float32, from the sampler (per token, any version)
     ref_logp: jax.Array  # [B, T] float32
     values: jax.Array  # [B, T] float32 critic values before each response token
     advantages: jax.Array  # [B, T] float32
@@ -64,6 +67,7 @@ def new_rollout_batch(
     truncated: np.ndarray | None = None,
     step_token_id: int | None = None,
     imitation_weight: np.ndarray | None = None,
+    behaviour_logp: np.ndarray | None = None,  # [B, T] the sampler's log-probs
 ) -> RolloutBatch:
     """A batch from sampler output, with scoring and advantage fields zeroed."""
     prompt_mask = np.asarray(prompt_mask, bool)
@@ -91,6 +95,14 @@ def new_rollout_batch(
         truncated = np.zeros(batch, bool)
     if imitation_weight is None:
         imitation_weight = np.zeros(batch, np.float32)
+    if behaviour_logp is None:
+        behaviour_logp = zeros
+    behaviour_logp = np.asarray(behaviour_logp, np.float32) * response_mask
+    if behaviour_logp.shape != (batch, t):
+        raise ValueError(
+            f"behaviour_logp must be [B, T] = {(batch, t)} like the responses, "
+            f"got {behaviour_logp.shape}"
+        )
     return RolloutBatch(
         tokens=jnp.asarray(tokens),
         positions=jnp.asarray(positions),
@@ -98,6 +110,7 @@ def new_rollout_batch(
         response_mask=jnp.asarray(response_mask),
         rewards=jnp.asarray(rewards),
         old_logp=jnp.asarray(zeros),
+        behaviour_logp=jnp.asarray(behaviour_logp),
         ref_logp=jnp.asarray(zeros),
         values=jnp.asarray(zeros),
         advantages=jnp.asarray(zeros),

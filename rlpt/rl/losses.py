@@ -116,6 +116,7 @@ def policy_loss(
     aggregation: str = "token_mean",
     seq_weights: jax.Array | None = None,
     norm_len: float | None = None,
+    token_weights: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped surrogate policy loss: PPO (Schulman et al. 2017, arXiv:1707.06347).
 
@@ -123,7 +124,7 @@ def policy_loss(
         J = min(ρ A, clip(ρ, 1 - clip_low, 1 + clip_high) A)
         J = max(J, c A)  where A < 0, if dual_clip = c > 1 (Ye et al. 2020,
             arXiv:1912.09729: bounds the loss of a bad action with a huge ratio)
-        loss = -aggregate(J)
+        loss = -aggregate(w J)   with w = token_weights (1 without them)
 
     clip_high defaults to clip_low (symmetric clip); clip_high > clip_low is DAPO's
     "clip-higher" (Yu et al. 2025).
@@ -146,6 +147,8 @@ def policy_loss(
       aggregation: see `aggregate` (static).
       seq_weights: optional `[B]` per-sequence weights.
       norm_len: see `aggregate` (static).
+      token_weights: optional `[B, T]` constant per-token weights of the objective (the
+        behaviour correction of `behaviour_weights`); no gradient flows into them.
 
     Returns:
       `(loss, diagnostics)`.
@@ -176,6 +179,11 @@ def policy_loss(
         bound = dual_clip * adv
         dual_active = (adv < 0) & (bound > objective)
         objective = jnp.where(adv < 0, jnp.maximum(objective, bound), objective)
+    if token_weights is not None:
+        chex.assert_equal_shape(
+            [logp, token_weights], custom_message="policy_loss: `token_weights` must be [B, T]"
+        )
+        objective = objective * jax.lax.stop_gradient(token_weights.astype(jnp.float32))
     loss = -aggregate(objective, mask, mode=aggregation, seq_weights=seq_weights, norm_len=norm_len)
 
     any_real = jnp.any(real)
@@ -188,6 +196,62 @@ def policy_loss(
         "ratio_min": jnp.where(any_real, jnp.min(jnp.where(real, ratio, jnp.inf)), 0.0),
     }
     return loss, jax.lax.stop_gradient(diagnostics)
+
+
+def behaviour_weights(
+    old_logp: jax.Array,
+    behaviour_logp: jax.Array,
+    mask: jax.Array,
+    *,
+    mode: str,
+    cap: float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Per-token importance weights from the behaviour policy to the proximal one.
+
+        w = exp(old_logp - behaviour_logp) = pi_old(y_t) / pi_behaviour(y_t)
+        "truncate": min(w, cap)         "mask": w if 1/cap <= w <= cap else 0
+
+    Decoupled PPO (Hilton et al. 2021, arXiv:2110.00641) separates the policy that drew
+    the samples (behaviour: an older version, or the same weights in the sampler's
+    precision) from the proximal policy the clip is centred on; the surrogate of each
+    token is weighted by w so the update stays an estimate under the proximal policy.
+    Truncation bounds the variance at a small bias (Ionides 2008; Espeholt et al. 2018's
+    V-trace uses the same cap); masking drops the tokens where the two policies disagree
+    by more than the cap. Weights are constants of the loss (no gradient).
+
+    Diagnostics over real tokens: ``is_weight_mean`` (before truncation or masking),
+    ``is_capped_frac`` (tokens truncated or masked), ``mismatch_kl`` (k3 estimate of
+    KL(behaviour || old) from the behaviour samples: (w - 1) - log w, always >= 0) and
+    ``mismatch_logp_max_abs`` (the largest |old_logp - behaviour_logp|).
+    """
+    chex.assert_equal_shape(
+        [old_logp, behaviour_logp, mask],
+        custom_message="behaviour_weights: `old_logp`, `behaviour_logp`, `mask` must match",
+    )
+    if mode not in ("none", "truncate", "mask"):
+        raise ValueError(f"behaviour_weights: mode must be none/truncate/mask, got {mode!r}")
+    real = mask > 0  # [B, T]
+    log_w = jnp.where(real, old_logp.astype(jnp.float32) - behaviour_logp.astype(jnp.float32), 0.0)
+    log_w = jnp.clip(log_w, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # [B, T]
+    w = jnp.exp(log_w)  # [B, T]
+    if mode == "truncate":
+        capped = w > cap
+        weights = jnp.minimum(w, cap)
+    elif mode == "mask":
+        capped = (w > cap) | (w < 1.0 / cap)
+        weights = jnp.where(capped, 0.0, w)
+    else:
+        capped = jnp.zeros_like(real)
+        weights = jnp.ones_like(w)
+    weights = jnp.where(real, weights, 0.0)
+    any_real = jnp.any(real)
+    diagnostics = {
+        "is_weight_mean": masked_mean(w, mask),
+        "is_capped_frac": masked_mean((capped & real).astype(jnp.float32), mask),
+        "mismatch_kl": masked_mean((w - 1.0) - log_w, mask),
+        "mismatch_logp_max_abs": jnp.where(any_real, jnp.max(jnp.abs(log_w)), 0.0),
+    }
+    return jax.lax.stop_gradient(weights), jax.lax.stop_gradient(diagnostics)
 
 
 def imitation_loss(

@@ -59,6 +59,7 @@ from rlpt.rl.kl import (
 from rlpt.rl.losses import (
     AGGREGATION_MODES,
     aggregate,
+    behaviour_weights,
     imitation_loss,
     masked_mean,
     policy_loss,
@@ -72,6 +73,8 @@ SCHEDULES = ("constant", "warmup_cosine", "warmup_linear")
 OVERLONG = ("none", "mask", "penalty")
 KL_PLACEMENTS = ("reward", "loss", "none")
 ADAPTIVE_LR = ("none", "kl", "clip_frac")
+OLD_LOGPROBS = ("recompute", "behaviour")
+BEHAVIOUR_CORRECTIONS = ("none", "truncate", "mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +132,24 @@ class PPOConfig:
     # (``RolloutBatch.imitation_weight``: the trainer marks verified-correct samples), a
     # self-imitation term beside the clipped surrogate (``losses.imitation_loss``).
     imitation_coef: float = 0.0
+    # Where the ratio's anchor ``old_logp`` comes from. "recompute": the policy's current
+    # parameters score the batch (the proximal policy of decoupled PPO when the samples
+    # are older). "behaviour": the sampler's own log-probabilities of the ids it drew
+    # (``RolloutBatch.behaviour_logp``), which saves one forward pass of the policy; exact
+    # only when the sampler ran the same parameters in the same precision (synchronous,
+    # float32: the rollout engine's equal the recomputed ones to 1e-5).
+    old_logprobs: str = "recompute"
+    # Correction for samples drawn by a policy other than ``old_logp``'s (older weights,
+    # or the same weights in another precision or kernel): each token's objective is
+    # weighted by w = exp(old_logp - behaviour_logp) = pi_old / pi_behaviour (decoupled
+    # PPO, Hilton et al. 2021 arXiv:2110.00641; AReaL, Fu et al. 2025 arXiv:2505.24298).
+    # "truncate": min(w, is_cap) (truncated importance sampling, Ionides 2008; verl's
+    # TIS). "mask": w where 1/is_cap <= w <= is_cap, else 0 (masked importance sampling:
+    # tokens whose behaviour and proximal probabilities disagree too much leave the loss;
+    # they stay in the aggregation's denominator, so the normaliser does not depend on
+    # the weights). "none": no weight (naive PPO on stale samples).
+    behaviour_correction: str = "none"
+    is_cap: float = 2.0
 
     def __post_init__(self):
         _check_choice("estimator", self.estimator, ESTIMATORS)
@@ -137,6 +158,10 @@ class PPOConfig:
         _check_choice("kl_placement", self.kl_placement, KL_PLACEMENTS)
         _check_choice("adaptive_lr", self.adaptive_lr, ADAPTIVE_LR)
         _check_choice("aggregation", self.aggregation, AGGREGATION_MODES)
+        _check_choice("old_logprobs", self.old_logprobs, OLD_LOGPROBS)
+        _check_choice("behaviour_correction", self.behaviour_correction, BEHAVIOUR_CORRECTIONS)
+        if not self.is_cap > 1.0:
+            raise ValueError(f"ppo.is_cap must be > 1, got {self.is_cap}")
         if self.step_advantages and self.estimator not in ("grpo", "dr_grpo"):
             raise ValueError(
                 f"ppo.step_advantages needs estimator 'grpo' or 'dr_grpo', got {self.estimator!r}"
@@ -294,6 +319,7 @@ def score_rollout(
     frozen=None,
     temperature: float = 1.0,
     packed: PackedRows | None = None,
+    old_from_behaviour: bool = False,
 ) -> RolloutBatch:
     """Fill old_logp (the policy itself), ref_logp and values.
 
@@ -301,9 +327,13 @@ def score_rollout(
     temperature the batch was sampled at. With ``frozen`` (a LoRA policy's base),
     policy and reference are adapter states merged with that one shared base.
     ``packed``: the whole batch's packed layout (``rlpt.rl.packing.pack_batch``).
+    ``old_from_behaviour``: old_logp is the sampler's ``behaviour_logp`` (no policy pass).
     """
     mask = batch.response_mask
-    old_logp, _ = _policy_logp(policy_graph, policy_params, batch, frozen, temperature, packed)
+    if old_from_behaviour:
+        old_logp = batch.behaviour_logp
+    else:
+        old_logp, _ = _policy_logp(policy_graph, policy_params, batch, frozen, temperature, packed)
     ref_logp, _ = _policy_logp(policy_graph, ref_params, batch, frozen, temperature, packed)
     values = batch.values
     if value_params is not None:
@@ -379,9 +409,15 @@ def _microbatch_loss(
     logp, resp_logits = _policy_logp(
         policy_graph, policy_params, mb, frozen, cfg.sampling_temperature, packed
     )
+    token_weights, is_diag = None, {}
+    if cfg.behaviour_correction != "none":
+        token_weights, is_diag = behaviour_weights(
+            mb.old_logp, mb.behaviour_logp, mask, mode=cfg.behaviour_correction, cap=cfg.is_cap
+        )
     pg_loss, pg_diag = policy_loss(
         logp, mb.old_logp, mb.advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
         dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, seq_weights=mb.loss_weight,
+        token_weights=token_weights,
     )  # fmt: skip
     entropy_tokens = token_entropy(resp_logits)
     entropy = masked_mean(entropy_tokens, mask)
@@ -407,6 +443,7 @@ def _microbatch_loss(
         "entropy": entropy,
         "kl": masked_mean(kl_tokens, mask),
         **pg_diag,
+        **{k: v for k, v in is_diag.items() if k in ("is_weight_mean", "is_capped_frac")},
     }
     if cfg.imitation_coef > 0:
         metrics["imitation_loss"] = imitation
@@ -669,6 +706,7 @@ class PPOTrainer:
         self._update = {}  # packed rows or not -> the jitted update
         self._score = None
         self._advantages = None
+        self._mismatch = None
         self._permutations = None
 
     def _data_parallel(self) -> int:
@@ -791,6 +829,7 @@ class PPOTrainer:
                     return score_rollout(
                         self.policy_graph, self.value_graph, policy, ref, value, batch, frozen,
                         self.cfg.sampling_temperature, packed,
+                        old_from_behaviour=self.cfg.old_logprobs == "behaviour",
                     )  # fmt: skip
 
             if self.mesh is None:
@@ -816,6 +855,19 @@ class PPOTrainer:
                 packed = to_device(packed, self._packed_sharding(packed, rows_axis=0))
         frozen = self._place(self.frozen, self._params_sharding)
         return self._score(state.policy, ref_params, state.value, batch, frozen, packed)
+
+    def mismatch(self, batch: RolloutBatch) -> dict[str, jax.Array]:
+        """How far the sampler's log-probs are from the scored ``old_logp`` on a scored
+        batch: ``mismatch_kl`` (k3 of KL(behaviour || old)) and ``mismatch_logp_max_abs``
+        (``behaviour_weights``)."""
+        if self._mismatch is None:
+
+            def fn(old, behaviour, mask):
+                diag = behaviour_weights(old, behaviour, mask, mode="none", cap=self.cfg.is_cap)[1]
+                return {k: diag[k] for k in ("mismatch_kl", "mismatch_logp_max_abs")}
+
+            self._mismatch = jax.jit(fn)
+        return self._mismatch(batch.old_logp, batch.behaviour_logp, batch.response_mask)
 
     def advantages(self, state: TrainState, batch: RolloutBatch) -> RolloutBatch:
         if self._advantages is None:

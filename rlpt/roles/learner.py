@@ -134,7 +134,7 @@ class PPOLearner:
             prompt_tokens, prompt_mask, traj.tokens[:, :width], traj.mask[:, :width],
             sequence_rewards=v.rewards, loss_weight=traj.loss_weight * v.weight,
             group_id=group_id, truncated=traj.truncated, step_token_id=step_id,
-            imitation_weight=v.success,
+            imitation_weight=v.success, behaviour_logp=traj.logprobs[:, :width],
         )  # fmt: skip
         return batch, layout
 

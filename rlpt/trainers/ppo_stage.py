@@ -98,10 +98,13 @@ class PPOStage:
         batch, layout = self.learner.make_batch(up, ro.group_id, **self.make_batch_kwargs)
         batch, learned_metrics, confidence = self.reward.assemble(batch, up)
         batch = self.learner.score(batch)
+        # The sampler's log-probs against the scored ones, every step: the train/inference
+        # mismatch that off-policy corrections (ppo.behaviour_correction) act on.
+        mismatch = self.learner.trainer.mismatch(batch)
         batch = self.learner.advantages(batch)
         jax.block_until_ready(batch.advantages)
         t_score = time.perf_counter()
-        update_metrics = self.learner.update(batch)
+        update_metrics = {**mismatch, **self.learner.update(batch)}
         adv, mask = to_host((batch.advantages, batch.response_mask))
         abs_adv = np.abs(adv * mask).sum(1) / np.maximum(mask.sum(1), 1.0)
         # The curriculum hears of every valid sample in the update and of the uniform

@@ -11,6 +11,7 @@ import pytest
 from rlpt.rl import (
     AGGREGATION_MODES,
     aggregate,
+    behaviour_weights,
     entropy_from_logits,
     imitation_loss,
     masked_mean,
@@ -380,3 +381,48 @@ def test_extreme_log_ratio_stays_finite():
     fn = jax.jit(lambda lp: policy_loss(lp, jnp.zeros_like(lp), adv, jnp.ones_like(lp))[0])
     assert np.isfinite(fn(logp))
     assert np.all(np.isfinite(jax.jit(jax.grad(fn))(logp)))
+
+
+def test_behaviour_weights_hand_worked(variant):
+    # w = pi_old / pi_behaviour = 3, 0.25, 1.2 and a padded token; cap 2:
+    #   truncate: 2, 0.25, 1.2 (one capped)   mask: 0, 0, 1.2 (two outside [0.5, 2])
+    w = np.array([[3.0, 0.25, 1.2, 7.0]], np.float32)
+    behaviour = np.log(np.array([[0.1, 0.4, 0.5, 0.01]], np.float32))
+    old = behaviour + np.log(w)
+    mask = np.array([[1.0, 1.0, 1.0, 0.0]], np.float32)
+    weights, diag = variant(behaviour_weights, mode="truncate", cap=2.0)(old, behaviour, mask)
+    np.testing.assert_allclose(weights, [[2.0, 0.25, 1.2, 0.0]], atol=ATOL)
+    np.testing.assert_allclose(diag["is_capped_frac"], 1 / 3, atol=ATOL)
+    np.testing.assert_allclose(diag["is_weight_mean"], (3.0 + 0.25 + 1.2) / 3, atol=ATOL)
+    k3 = np.mean([(x - 1) - math.log(x) for x in (3.0, 0.25, 1.2)])
+    np.testing.assert_allclose(diag["mismatch_kl"], k3, atol=ATOL)
+    np.testing.assert_allclose(diag["mismatch_logp_max_abs"], math.log(4.0), atol=ATOL)
+    weights, diag = variant(behaviour_weights, mode="mask", cap=2.0)(old, behaviour, mask)
+    np.testing.assert_allclose(weights, [[0.0, 0.0, 1.2, 0.0]], atol=ATOL)
+    np.testing.assert_allclose(diag["is_capped_frac"], 2 / 3, atol=ATOL)
+    weights, _ = variant(behaviour_weights, mode="none", cap=2.0)(old, behaviour, mask)
+    np.testing.assert_allclose(weights, [[1.0, 1.0, 1.0, 0.0]], atol=0)
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_policy_loss_token_weights_match_oracle(variant, mode):
+    """Each token's objective is scaled by its weight; no gradient reaches the weights."""
+    rng = np.random.default_rng(11)
+    mask = _random_mask(rng)
+    logp = rng.normal(scale=0.3, size=mask.shape).astype(np.float32)
+    old = rng.normal(scale=0.3, size=mask.shape).astype(np.float32)
+    adv = rng.normal(size=mask.shape).astype(np.float32)
+    w = rng.uniform(0.0, 2.0, size=mask.shape).astype(np.float32)
+    loss, _ = variant(policy_loss, clip_low=0.2, aggregation=mode)(
+        logp, old, adv, mask, token_weights=w
+    )
+    objective, _, _ = _policy_oracle(logp, old, adv, mask, 0.2, 0.2, None)
+    expected = -_aggregate_oracle(objective * w, mask, mode)
+    np.testing.assert_allclose(loss, expected, atol=ATOL)
+    grad_w = jax.grad(
+        lambda w: policy_loss(logp, old, adv, mask, aggregation=mode, token_weights=w)[0]
+    )(jnp.asarray(w))
+    assert not np.any(np.asarray(grad_w))
+    unweighted, _ = policy_loss(logp, old, adv, mask, aggregation=mode)
+    ones, _ = policy_loss(logp, old, adv, mask, aggregation=mode, token_weights=np.ones_like(w))
+    assert float(unweighted) == float(ones)

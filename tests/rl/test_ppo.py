@@ -1,6 +1,7 @@
 """The PPO update: exactness properties, sharding equivalence, guards and a learning check."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -407,5 +408,74 @@ def test_step_advantages_credit_each_step_from_its_group():
     ],
 )
 def test_step_advantages_config_errors(fields, message):
+    with pytest.raises(ValueError, match=message):
+        PPOConfig(**fields)
+
+
+def _scored_twice(cfg, batch):
+    """Score and update ``batch`` once under ``cfg`` from the same initial state."""
+    policy_graph, policy, value_graph, value, ref = _models()
+    trainer = PPOTrainer(cfg, policy_graph, value_graph if cfg.uses_critic else None)
+    state = trainer.shard_state(init_train_state(cfg, policy, value, jax.random.key(5)))
+    scored = trainer.advantages(state, trainer.score(state, ref, batch))
+    new_state, metrics = trainer.update(state, scored)
+    return trainer, scored, jax.device_get(new_state.policy), jax.device_get(metrics)
+
+
+def test_behaviour_log_probs_stand_in_for_the_recomputed_ones():
+    """old_logprobs='behaviour' takes the sampler's log-probs as the ratio's anchor: given
+    exactly the recomputed ones it scores and updates as recompute does; a correction
+    whose weights are all 1 changes nothing; the mismatch metric is k3 by hand."""
+    trainer, recomputed, params, metrics = _scored_twice(BASE, _batch())
+    behaviour = np.asarray(recomputed.old_logp)
+    batch = _batch().replace(behaviour_logp=jnp.asarray(behaviour))
+    for cfg in (
+        dataclasses.replace(BASE, old_logprobs="behaviour"),
+        dataclasses.replace(BASE, behaviour_correction="truncate"),
+        dataclasses.replace(BASE, old_logprobs="behaviour", behaviour_correction="mask"),
+    ):
+        _, scored, other_params, other_metrics = _scored_twice(cfg, batch)
+        np.testing.assert_array_equal(scored.old_logp, behaviour)
+        jax.tree.map(np.testing.assert_array_equal, other_params, params)
+        assert other_metrics["policy_loss"] == metrics["policy_loss"]
+        if cfg.behaviour_correction != "none":
+            assert other_metrics["is_weight_mean"] == pytest.approx(1.0, abs=1e-6)
+            assert other_metrics["is_capped_frac"] == 0.0
+    mask = np.asarray(recomputed.response_mask)
+    shifted = recomputed.replace(behaviour_logp=jnp.asarray((behaviour + 0.1) * mask))
+    mismatch = jax.device_get(trainer.mismatch(shifted))
+    w = math.exp(-0.1)
+    assert mismatch["mismatch_kl"] == pytest.approx((w - 1) - math.log(w), rel=1e-4)
+    assert mismatch["mismatch_logp_max_abs"] == pytest.approx(0.1, rel=1e-4)
+
+
+def test_truncated_weights_shrink_the_policy_gradient_of_stale_tokens():
+    """With every token's behaviour probability far below the proximal one (w = e^3),
+    truncation at 2 scales the clipped surrogate by exactly 2 on every token; masking
+    drops it, leaving only the critic, entropy and KL terms (which need no weights)."""
+    no_kl = dataclasses.replace(BASE, kl_coef=0.0, ent_coef=0.0, epochs=1, num_minibatches=1)
+    _, scored, _, _ = _scored_twice(no_kl, _batch())
+    stale = _batch().replace(behaviour_logp=scored.old_logp - 3.0 * scored.response_mask)
+    _, _, _, plain = _scored_twice(no_kl, stale)
+    _, _, _, truncated = _scored_twice(
+        dataclasses.replace(no_kl, behaviour_correction="truncate"), stale
+    )
+    _, _, masked_params, masked = _scored_twice(
+        dataclasses.replace(no_kl, behaviour_correction="mask"), stale
+    )
+    assert truncated["policy_loss"] == pytest.approx(2.0 * plain["policy_loss"], rel=1e-5)
+    assert truncated["is_capped_frac"] == 1.0
+    assert masked["policy_loss"] == 0.0
+    _, initial_policy, _, _, _ = _models()
+    jax.tree.map(np.testing.assert_array_equal, masked_params, jax.device_get(initial_policy))
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [({"old_logprobs": "sampler"}, "old_logprobs"),
+     ({"behaviour_correction": "clip"}, "behaviour_correction"),
+     ({"is_cap": 1.0}, "is_cap")],
+)  # fmt: skip
+def test_behaviour_settings_are_checked(fields, message):
     with pytest.raises(ValueError, match=message):
         PPOConfig(**fields)
