@@ -22,8 +22,8 @@ from rlpt.rl.kl import (
 from rlpt.rl.losses import (
     AGGREGATION_MODES,
     aggregate,
-    entropy_from_logits,
     behaviour_weights,
+    entropy_from_logits,
     imitation_loss,
     masked_mean,
     policy_loss,

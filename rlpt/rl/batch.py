@@ -23,8 +23,9 @@ class RolloutBatch:
     of the ids it drew; zero where the sampler gave none). Filled by scoring
     (``score_rollout``): ``old_logp`` (the proximal policy of the ratio: the policy's
     log-probabilities at the sampling temperature, recomputed, or with
-    ``PPOConfig.old_logprobs = "behaviour"`` the sampler's), ``ref_logp``, ``values``. Filled by ``compute_advantages``:
-    ``advantages``, ``returns`` (and ``rewards`` may gain a KL penalty).
+    ``PPOConfig.old_logprobs = "behaviour"`` the sampler's), ``ref_logp``, ``values``.
+    Filled by ``compute_advantages``: ``advantages``, ``returns`` (and ``rewards`` may
+    gain a KL penalty).
     """
 
     tokens: jax.Array  # [B, L] int32
