@@ -28,6 +28,15 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+# The side-by-side configurations against other frameworks (benchmarks/tunix_rl_iteration.py
+# takes the same names): tiny is dispatch-bound, medium compute-bound on a CPU.
+PRESETS = {
+    "tiny": dict(vocab=512, layers=2, d_model=128, heads=4, kv_heads=2, ffn=384, batch=8,
+                 prompt_len=32, gen_len=32),
+    "medium": dict(vocab=2048, layers=4, d_model=256, heads=4, kv_heads=2, ffn=768, batch=16,
+                   prompt_len=64, gen_len=128),
+}  # fmt: skip
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
@@ -52,10 +61,20 @@ _LENGTHS = flags.DEFINE_enum(
     "lengths", "fixed", ["fixed", "lognormal"], "Every response gen_len tokens, or long-tailed."
 )
 _MEDIAN_LEN = flags.DEFINE_integer("median_len", None, "Median length (default gen_len // 4).")
+_OLD_LOGPROBS = flags.DEFINE_enum(
+    "old_logprobs", "behaviour", ["behaviour", "recompute"],
+    "The ratio's anchor: the sampler's log-probs, or a scoring pass of the policy.",
+)  # fmt: skip
+_PRESET = flags.DEFINE_enum(
+    "preset", None, list(PRESETS), "Model and batch shapes of a named comparison (overrides)."
+)
 
 
 def main(argv):
     del argv
+    if _PRESET.value:
+        for name, value in PRESETS[_PRESET.value].items():
+            setattr(flags.FLAGS, name, value)
     cfg = ModelConfig(
         vocab_size=_VOCAB.value, d_model=_D_MODEL.value, n_layers=_LAYERS.value,
         n_heads=_HEADS.value, n_kv_heads=_KV_HEADS.value, ffn_dim=_FFN.value,
@@ -65,7 +84,10 @@ def main(argv):
     policy_graph, policy = create_model(lambda r: CausalLM(cfg, rngs=r), jax.random.key(0))
     value_graph, value = create_model(lambda r: ValueModel(cfg, rngs=r), jax.random.key(1))
     reference = jax.tree.map(lambda x: x.copy(), policy)  # frozen, never donated
-    ppo = PPOConfig(epochs=1, num_minibatches=1, kl_coef=0.05, learning_rate=1e-5)
+    ppo = PPOConfig(
+        epochs=1, num_minibatches=1, kl_coef=0.05, learning_rate=1e-5,
+        old_logprobs=_OLD_LOGPROBS.value,
+    )  # fmt: skip
     trainer = PPOTrainer(ppo, policy_graph, value_graph)
     state = init_train_state(ppo, policy, value, jax.random.key(2))
     # No stop token (-1 never occurs): responses end at their length.
@@ -93,6 +115,7 @@ def main(argv):
         lengths = lengths_for(i)
         tokens = np.zeros((batch, gen_len), np.int32)
         mask = np.zeros((batch, gen_len), np.float32)
+        logprobs = np.zeros((batch, gen_len), np.float32)
         if engine is not None:
             engine.update_weights(st.policy, version=i)
             done = engine.generate([
@@ -102,7 +125,8 @@ def main(argv):
             for c in done:
                 tokens[c.request_id, : len(c.tokens)] = c.tokens
                 mask[c.request_id, : len(c.tokens)] = 1.0
-            return tokens, mask
+                logprobs[c.request_id, : len(c.tokens)] = c.logprobs
+            return tokens, mask, logprobs
         longest = int(lengths.max())
         out = sampler.generate(
             st.policy, prompts, jax.random.key(100 + i), max_new_tokens=longest,
@@ -110,7 +134,8 @@ def main(argv):
         )  # fmt: skip
         tokens[:, :longest] = out.tokens
         mask[:, :longest] = np.arange(longest)[None, :] < lengths[:, None]
-        return tokens, mask
+        logprobs[:, :longest] = np.asarray(out.logprobs)
+        return tokens, mask, logprobs
 
     phases: dict[str, list[float]] = {"generate": [], "score": [], "advantages": [], "update": []}
     totals = []
@@ -119,12 +144,13 @@ def main(argv):
     def iteration(i: int, record: bool):
         st = state_box["state"]
         t0 = time.perf_counter()
-        tokens, mask = generate(st, i)
+        tokens, mask, logprobs = generate(st, i)
         t1 = time.perf_counter()
         reward = ((tokens % 2 == 0) * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1.0)
         rollout = new_rollout_batch(
-            prompt_tokens, prompt_mask, tokens, mask, sequence_rewards=reward
-        )
+            prompt_tokens, prompt_mask, tokens, mask, sequence_rewards=reward,
+            behaviour_logp=logprobs,
+        )  # fmt: skip
         rollout = jax.block_until_ready(trainer.score(st, reference, rollout))
         t2 = time.perf_counter()
         rollout = jax.block_until_ready(trainer.advantages(st, rollout))
@@ -153,6 +179,7 @@ def main(argv):
                 "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "ffn": cfg.ffn_dim,
                 "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
                 "dtype": cfg.dtype, "sampler": _SAMPLER.value, "lengths": _LENGTHS.value,
+                "old_logprobs": _OLD_LOGPROBS.value, "preset": _PRESET.value,
                 "compile_s": round(first - s_per_iter, 2),
                 "s_per_iter": round(s_per_iter, 4),
                 "tokens_per_s": round(tokens / s_per_iter, 1),

@@ -1,5 +1,6 @@
-"""Asynchronous RL: the experience pool between actors and the learner."""
+"""Asynchronous RL: actors and a learner around an experience pool."""
 
+from rlpt.asyncrl.learner import PPOAsyncLearner
 from rlpt.asyncrl.pool import (
     PRIORITIES,
     Draw,
@@ -8,8 +9,25 @@ from rlpt.asyncrl.pool import (
     PoolUnderfull,
     staleness_histogram,
 )
+from rlpt.asyncrl.runtime import (
+    AsyncConfig,
+    AsyncRunner,
+    Group,
+    GroupReward,
+    Prompt,
+    PromptSource,
+    request_seed,
+)
 
 __all__ = [
+    "AsyncConfig",
+    "AsyncRunner",
+    "Group",
+    "GroupReward",
+    "PPOAsyncLearner",
+    "Prompt",
+    "PromptSource",
+    "request_seed",
     "PRIORITIES",
     "Draw",
     "ExperiencePool",

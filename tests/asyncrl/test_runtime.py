@@ -1,0 +1,126 @@
+"""Actors and learner on separate halves of the host devices: the staleness bound, the
+synchronous algorithm at eta = 0, and no prompt lost or seen twice across a resume."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from rlpt.asyncrl import AsyncConfig, AsyncRunner, GroupReward, PPOAsyncLearner, Prompt
+from rlpt.models import CausalLM, create_model, get_preset
+from rlpt.parallel import make_mesh
+from rlpt.rl import PPOConfig, PPOTrainer, init_train_state
+from rlpt.sampling import Engine, RequestParams
+
+CFG = get_preset("tiny")
+PROMPT_LEN, MAX_TOKENS = 4, 8
+
+
+class CountingPrompts:
+    """Prompt ``k`` is a fixed function of ``k``; the state is the next key."""
+
+    def __init__(self):
+        self.position = 0
+
+    def next(self) -> Prompt:
+        k = self.position
+        self.position += 1
+        rng = np.random.default_rng(k)
+        length = 1 + int(rng.integers(1, MAX_TOKENS))  # long-tailed enough to interleave
+        return Prompt(k, tuple(int(t) for t in rng.integers(5, 200, PROMPT_LEN)), max_tokens=length)
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = int(state["position"])
+
+
+def even_reward(prompt, completions):
+    rewards = np.array([np.mean(c.tokens % 2 == 0) if len(c.tokens) else 0.0 for c in completions])
+    return GroupReward(rewards=rewards, success=(rewards > 0.5).astype(np.float32))
+
+
+def _runner(eta, mode="async", batch_groups=2, group_size=2, state=None):
+    devices = jax.devices()
+    actor_mesh, learner_mesh = make_mesh(devices=devices[:4]), make_mesh(devices=devices[4:])
+    graph, params = create_model(lambda r: CausalLM(CFG, rngs=r), jax.random.key(0))
+    ppo = PPOConfig(
+        estimator="grpo", num_groups=batch_groups, learning_rate=1e-2, kl_coef=0.0,
+        behaviour_correction="truncate",
+    )  # fmt: skip
+    trainer = PPOTrainer(ppo, graph, mesh=learner_mesh)
+    ref = jax.tree.map(lambda x: x.copy(), params)
+    learner = PPOAsyncLearner(
+        trainer, init_train_state(ppo, params, None, jax.random.key(1)), ref,
+        prompt_width=PROMPT_LEN, max_new_tokens=MAX_TOKENS,
+    )  # fmt: skip
+    engine = Engine(graph, params, CFG, eos_id=2, num_slots=8, mesh=actor_mesh, decode_steps=2)
+    consumed = []
+
+    def learn(draw, version):
+        consumed.extend(draw.keys)
+        return learner(draw, version)
+
+    cfg = AsyncConfig(max_staleness=eta, batch_groups=batch_groups, group_size=group_size,
+                      mode=mode, reward_threads=2)  # fmt: skip
+    runner = AsyncRunner(
+        cfg, engine, CountingPrompts(), even_reward, learn, RequestParams(max_tokens=MAX_TOKENS),
+        seed=3,
+    )  # fmt: skip
+    if state is not None:
+        runner.load_state_dict(state, learner.state.policy)
+    return runner, learner, consumed
+
+
+def _held_keys(state):
+    return [p["key"] for p in state["inflight"]] + [i["key"] for i in state["pool"]["items"]]
+
+
+def test_eta_zero_is_the_synchronous_algorithm():
+    """Same seed: every metric of every step and the final parameters are equal."""
+    sync, sync_learner, sync_keys = _runner(0, mode="sync")
+    sync_metrics = sync.run(3)
+    asyn, asyn_learner, asyn_keys = _runner(0)
+    asyn_metrics = asyn.run(3)
+    assert sorted(sync_keys) == sorted(asyn_keys) == list(range(6))
+    for a, b in zip(sync_metrics, asyn_metrics):
+        for k, v in a.items():
+            if k.startswith("ppo/"):
+                assert b[k] == v, k
+        assert b["async/staleness_hist"] == [2]
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.device_get(sync_learner.state.policy), jax.device_get(asyn_learner.state.policy),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_staleness_is_bounded_and_no_prompt_is_lost_across_a_resume(eta):
+    runner, _, consumed = _runner(eta)
+    metrics = runner.run(4)
+    for m in metrics:
+        hist = m["async/staleness_hist"]
+        assert len(hist) == eta + 1 and sum(hist) == m["async/groups"]
+    state = json.loads(json.dumps(runner.state_dict()))  # what a checkpoint holds
+    held = _held_keys(state)
+    assert len(set(consumed)) == len(consumed)
+    assert sorted(consumed + held) == list(range(state["started"]))
+    # A new process from the checkpoint: the held prompts come back, nothing else repeats.
+    resumed, _, consumed_after = _runner(eta, state=state)
+    resumed.run(3)
+    final = resumed.state_dict()
+    everything = consumed + consumed_after
+    assert len(set(everything)) == len(everything)
+    assert sorted(everything + _held_keys(final)) == list(range(final["started"]))
+    assert set(held) <= set(consumed_after + _held_keys(final))
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(ValueError, match="async.max_staleness"):
+        AsyncConfig(max_staleness=-1)
+    with pytest.raises(ValueError, match="async.mode"):
+        AsyncConfig(mode="overlap")
+    assert dataclasses.replace(AsyncConfig(), max_staleness=0).max_staleness == 0
