@@ -287,7 +287,8 @@ class AsyncRunner:
         group = Group(
             prompt=prompt, tokens=[c.tokens for c in completions],
             logprobs=[c.logprobs for c in completions],
-            versions=[c.versions for c in completions], finish=[c.finish_reason for c in completions],
+            versions=[c.versions for c in completions],
+            finish=[c.finish_reason for c in completions],
             rewards=np.asarray(verdict.rewards, np.float32),
             success=np.asarray(verdict.success, np.float32),
         )  # fmt: skip
