@@ -194,6 +194,7 @@ class AsyncRunner:
         self._lock = threading.Condition()
         self._inflight: dict[int, Prompt] = {}  # key -> prompt, in the engine
         self._judging: dict[int, Prompt] = {}  # key -> prompt, with the reward threads
+        self._admitted_at: dict[int, int] = {}  # key -> version at admission, until pooled
         self._requeue: list[Prompt] = []  # in flight at a checkpoint: regenerated first
         self._pending: list[PoolItem] = []  # judged, waiting for room in the pool
         self._weights: tuple[Any, int] | None = None  # published, not yet in the engine
@@ -273,6 +274,8 @@ class AsyncRunner:
                 list(self._inflight.values()) + self._requeue, key=lambda p: p.key
             )
             self._inflight.clear()
+            held = set(self._judging) | {i.key for i in self._pending}
+            self._admitted_at = {k: v for k, v in self._admitted_at.items() if k in held}
 
     def _request(self, prompt: Prompt) -> Request:
         params = dataclasses.replace(
@@ -312,10 +315,12 @@ class AsyncRunner:
         while self._requeue and not self._pending:
             prompt = self._requeue.pop(0)
             self._inflight[prompt.key] = prompt
+            self._admitted_at[prompt.key] = self.version
             admitted.append(prompt)
         while self.started < limit and not self._pending:
             prompt = self.prompts.next()
             self._inflight[prompt.key] = prompt
+            self._admitted_at[prompt.key] = self.version
             self.started += 1
             admitted.append(prompt)
         return admitted
@@ -370,12 +375,20 @@ class AsyncRunner:
     def _retry_pending(self) -> None:
         """Judged groups into the pool while it has room (the actor pauses until then)."""
         while self._pending and self.pool.has_room(self._pending[0].num_tokens):
-            self.pool.add(self._pending.pop(0))
+            item = self._pending.pop(0)
+            self._admitted_at.pop(item.key, None)
+            self.pool.add(item)
 
     # -- the learner ---------------------------------------------------------------------------
 
     def _ready(self) -> bool:
         cfg = self.cfg
+        # Groups finish out of order, so admission alone does not bound staleness: a long
+        # group admitted at version u must be in this batch if u + eta is this version.
+        # Wait for it (it is in flight and will finish); by the admission rule at most
+        # batch_groups unconsumed groups can be due at any version.
+        if any(u + cfg.max_staleness <= self.version for u in self._admitted_at.values()):
+            return False
         if cfg.token_budget is None:
             return len(self.pool) >= cfg.batch_groups
         return self.pool.tokens >= cfg.token_budget or len(self.pool) >= cfg.batch_groups
@@ -384,6 +397,7 @@ class AsyncRunner:
         t0 = time.perf_counter()
         with self._lock:
             while not self._ready():
+                self._retry_pending()
                 if self._error is not None:
                     raise RuntimeError("the actor failed") from self._error
                 self._lock.wait(timeout=0.05)

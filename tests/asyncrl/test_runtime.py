@@ -15,7 +15,7 @@ from rlpt.rl import PPOConfig, PPOTrainer, init_train_state
 from rlpt.sampling import Engine, RequestParams
 
 CFG = get_preset("tiny")
-PROMPT_LEN, MAX_TOKENS = 4, 8
+PROMPT_LEN, MAX_TOKENS = 4, 48
 
 
 class CountingPrompts:
@@ -28,7 +28,8 @@ class CountingPrompts:
         k = self.position
         self.position += 1
         rng = np.random.default_rng(k)
-        length = 1 + int(rng.integers(1, MAX_TOKENS))  # long-tailed enough to interleave
+        # Every fifth prompt is long, the rest short: groups finish out of order.
+        length = MAX_TOKENS if k % 5 == 0 else 1 + int(rng.integers(0, 2))
         return Prompt(k, tuple(int(t) for t in rng.integers(5, 200, PROMPT_LEN)), max_tokens=length)
 
     def state_dict(self):
@@ -57,7 +58,7 @@ def _runner(eta, mode="async", batch_groups=2, group_size=2, state=None):
         trainer, init_train_state(ppo, params, None, jax.random.key(1)), ref,
         prompt_width=PROMPT_LEN, max_new_tokens=MAX_TOKENS,
     )  # fmt: skip
-    engine = Engine(graph, params, CFG, eos_id=2, num_slots=8, mesh=actor_mesh, decode_steps=2)
+    engine = Engine(graph, params, CFG, eos_id=2, num_slots=8, mesh=actor_mesh, decode_steps=1)
     consumed = []
 
     def learn(draw, version):

@@ -1,0 +1,223 @@
+"""Asynchronous RL against the synchronous algorithm: same parts, same samples, same seed.
+
+    python benchmarks/async_rl.py            # about 5 minutes on 2 cores
+
+The 8 host CPU devices are split: the rollout engine on 4, the PPO learner (GRPO with
+decoupled PPO, truncated importance weights) on the other 4, in both modes. Each step
+trains on ``--groups`` groups of ``--group_size`` samples; response lengths are
+long-tailed (log-normal, median ``--median_len``, 99th percentile ``--max_len``, the
+random policy never stops by itself); every sample's reward is a sandboxed program
+(full isolation) whose run time grows with the response (CPU-bound loops of up to
+``--max_work_ms``), and ``--timeout_frac`` of them never end and time out at
+``--timeout_s``, as broken model-written code does.
+
+Runs, in this order, each with a fresh model from the same seed:
+* ``sync``: generate the whole batch, then judge it, then update (``AsyncRunner`` in
+  ``mode="sync"``: the synchronous algorithm with the same engine, sandbox and learner);
+* ``eta = 0`` asynchronous: must equal sync exactly (``sync_equivalence_max_abs_diff``,
+  the largest difference over every logged PPO metric of every step);
+* ``eta = 1, 2, 4`` asynchronous: ``speedup_vs_sync`` = samples per second over sync's,
+  after ``--warmup`` steps (compilation) that are not timed;
+* a checkpoint after ``--steps // 2`` steps of eta = 2, through JSON, and a resumed runner
+  in its place: ``lost_or_duplicated_prompts`` counts prompts trained on twice or neither
+  trained on nor held (in the pool or in flight) at the end (target 0).
+
+The final JSON line also has the staleness histogram per eta (groups trained on at each
+staleness, all timed steps). What it leaves out: the learner and the actor share the
+machine's 2 cores, so the overlap is of sandbox waits and host work with device work,
+not of two accelerators; a pod's gain is the simulator's to predict
+(``rlpt.asyncrl.simulator``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from rlpt.asyncrl import AsyncConfig, AsyncRunner, GroupReward, PPOAsyncLearner, Prompt  # noqa: E402
+from rlpt.models import CausalLM, ModelConfig, create_model  # noqa: E402
+from rlpt.parallel import make_mesh  # noqa: E402
+from rlpt.rl import PPOConfig, PPOTrainer, init_train_state  # noqa: E402
+from rlpt.sampling import Engine, RequestParams  # noqa: E402
+from rlpt.sandbox import ExecutionRequest, SandboxPool  # noqa: E402
+
+_STEPS = flags.DEFINE_integer("steps", 8, "Timed learner steps per run.")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed first steps (compilation).")
+_GROUPS = flags.DEFINE_integer("groups", 4, "Groups (prompts) per learner step.")
+_GROUP_SIZE = flags.DEFINE_integer("group_size", 4, "Samples per prompt.")
+_MEDIAN_LEN = flags.DEFINE_integer("median_len", 32, "Median response length.")
+_MAX_LEN = flags.DEFINE_integer("max_len", 256, "99th percentile and cap of the lengths.")
+_MAX_WORK_MS = flags.DEFINE_float("max_work_ms", 60.0, "CPU work of the longest program.")
+_TIMEOUT_FRAC = flags.DEFINE_float("timeout_frac", 0.1, "Programs that never end.")
+_TIMEOUT_S = flags.DEFINE_float("timeout_s", 0.5, "Sandbox timeout.")
+_SANDBOX_WORKERS = flags.DEFINE_integer("sandbox_workers", 3, "Sandbox pool workers.")
+_ETAS = flags.DEFINE_list("etas", ["1", "2", "4"], "Staleness bounds to measure.")
+
+PROMPT_LEN = 16
+MODEL = ModelConfig(
+    vocab_size=512, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384,
+    max_seq_len=PROMPT_LEN + 256 + 16, dtype="float32",
+)  # fmt: skip
+
+
+class Prompts:
+    """Prompt ``k`` and its response length are functions of ``k`` alone."""
+
+    def __init__(self):
+        self.position = 0
+
+    def next(self) -> Prompt:
+        k = self.position
+        self.position += 1
+        rng = np.random.default_rng(10_000 + k)
+        sigma = math.log(_MAX_LEN.value / _MEDIAN_LEN.value) / 2.3263  # cap at the 99th pct
+        length = int(np.clip(round(_MEDIAN_LEN.value * math.exp(sigma * rng.standard_normal())),
+                             1, _MAX_LEN.value))  # fmt: skip
+        tokens = tuple(int(t) for t in rng.integers(5, MODEL.vocab_size, PROMPT_LEN))
+        return Prompt(k, tokens, max_tokens=length)
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = int(state["position"])
+
+
+def sandbox_reward(sandbox: SandboxPool):
+    """A program per sample: a loop whose length follows the response's, or (a fixed
+    share, chosen by the sample's first token) one that never ends."""
+    loops_per_ms = 20_000  # CPython additions per millisecond, roughly, on this machine
+
+    def reward(prompt: Prompt, completions) -> GroupReward:
+        requests = []
+        for c in completions:
+            first = int(c.tokens[0]) if len(c.tokens) else 0
+            if (first * 7919 % 1000) / 1000 < _TIMEOUT_FRAC.value:
+                code = "while True:\n    pass\n"
+            else:
+                work = _MAX_WORK_MS.value * len(c.tokens) / _MAX_LEN.value
+                code = f"s = 0\nfor i in range({int(work * loops_per_ms)}):\n    s += i\n"
+            requests.append(ExecutionRequest(code=code, timeout_s=_TIMEOUT_S.value))
+        results = sandbox.run_batch(requests)
+        rewards = np.array([
+            float(r.passed) * float(np.mean(c.tokens % 2 == 0)) if len(c.tokens) else 0.0
+            for r, c in zip(results, completions)
+        ])  # fmt: skip
+        return GroupReward(rewards=rewards, success=(rewards > 0.5).astype(np.float32))
+
+    return reward
+
+
+def build(eta: int, mode: str, sandbox: SandboxPool, seed: int = 0):
+    devices = jax.devices()
+    actor_mesh, learner_mesh = make_mesh(devices=devices[:4]), make_mesh(devices=devices[4:])
+    graph, params = create_model(lambda r: CausalLM(MODEL, rngs=r), jax.random.key(seed))
+    ppo = PPOConfig(
+        estimator="grpo", num_groups=_GROUPS.value, learning_rate=1e-4, kl_coef=0.0,
+        behaviour_correction="truncate",
+    )  # fmt: skip
+    learner = PPOAsyncLearner(
+        PPOTrainer(ppo, graph, mesh=learner_mesh),
+        init_train_state(ppo, params, None, jax.random.key(seed + 1)),
+        jax.tree.map(lambda x: x.copy(), params), prompt_width=PROMPT_LEN,
+        max_new_tokens=_MAX_LEN.value, width_multiple=64,
+    )  # fmt: skip
+    engine = Engine(
+        graph, params, MODEL, eos_id=-1, num_slots=4 * _GROUP_SIZE.value * 2, mesh=actor_mesh,
+        decode_steps=8,
+    )  # fmt: skip
+    consumed: list[int] = []
+
+    def learn(draw, version):
+        consumed.extend(draw.keys)
+        return learner(draw, version)
+
+    cfg = AsyncConfig(
+        max_staleness=eta, batch_groups=_GROUPS.value, group_size=_GROUP_SIZE.value, mode=mode,
+        reward_threads=4,
+    )  # fmt: skip
+    runner = AsyncRunner(
+        cfg, engine, Prompts(), sandbox_reward(sandbox), learn,
+        RequestParams(max_tokens=_MAX_LEN.value), seed=seed,
+    )  # fmt: skip
+    return runner, learner, consumed
+
+
+def timed_run(eta: int, mode: str, sandbox: SandboxPool) -> dict:
+    runner, _, _ = build(eta, mode, sandbox)
+    stamps: list[float] = []
+    metrics = runner.run(
+        _WARMUP.value + _STEPS.value, on_step=lambda v, m: stamps.append(time.perf_counter())
+    )
+    timed = metrics[_WARMUP.value :]
+    seconds = stamps[-1] - stamps[_WARMUP.value - 1]
+    samples = _STEPS.value * _GROUPS.value * _GROUP_SIZE.value
+    hist = np.sum([m["async/staleness_hist"] for m in timed], axis=0)
+    return {
+        "samples_per_s": samples / seconds,
+        "seconds": seconds,
+        "metrics": metrics,
+        "staleness_hist": hist.tolist(),
+        "learner_wait_s": float(np.mean([m["async/learner_wait_s"] for m in timed])),
+    }
+
+
+def main(argv):
+    del argv
+    results = {}
+    with SandboxPool(workers=_SANDBOX_WORKERS.value, timeout_s=_TIMEOUT_S.value) as sandbox:
+        sync = timed_run(0, "sync", sandbox)
+        eta0 = timed_run(0, "async", sandbox)
+        diffs = [
+            abs(a[k] - b[k])
+            for a, b in zip(sync["metrics"], eta0["metrics"])
+            for k in a
+            if k.startswith("ppo/")
+        ]
+        runs = {int(e): timed_run(int(e), "async", sandbox) for e in _ETAS.value}
+        # Kill and resume, in process: the checkpoint goes through JSON to a new runner.
+        runner, learner, consumed = build(2, "async", sandbox)
+        half = max(1, _STEPS.value // 2)
+        runner.run(half)
+        state = json.loads(json.dumps(runner.state_dict()))
+        resumed, resumed_learner, consumed_after = build(2, "async", sandbox)
+        resumed_learner.state = learner.state
+        resumed.load_state_dict(state, learner.state.policy)
+        resumed.run(half)
+        final = resumed.state_dict()
+        held = [p["key"] for p in final["inflight"]] + [i["key"] for i in final["pool"]["items"]]
+        everything = consumed + consumed_after
+        duplicated = len(everything) - len(set(everything))
+        missing = len(set(range(final["started"])) - set(everything) - set(held))
+    for eta, run in runs.items():
+        results[f"speedup_vs_sync_eta{eta}"] = round(
+            run["samples_per_s"] / sync["samples_per_s"], 3
+        )
+    print(json.dumps({
+        "groups": _GROUPS.value, "group_size": _GROUP_SIZE.value, "steps": _STEPS.value,
+        "median_len": _MEDIAN_LEN.value, "max_len": _MAX_LEN.value,
+        "timeout_frac": _TIMEOUT_FRAC.value, "sandbox_workers": _SANDBOX_WORKERS.value,
+        "sync_samples_per_s": round(sync["samples_per_s"], 2),
+        **{f"async_eta{e}_samples_per_s": round(r["samples_per_s"], 2) for e, r in runs.items()},
+        "speedup_vs_sync": {str(e): results[f"speedup_vs_sync_eta{e}"] for e in runs},
+        "sync_equivalence_max_abs_diff": max(diffs),
+        "lost_or_duplicated_prompts": duplicated + missing,
+        "staleness_hist": {str(e): r["staleness_hist"] for e, r in runs.items()},
+        "learner_wait_s": {"sync": round(sync["learner_wait_s"], 3),
+                           **{str(e): round(r["learner_wait_s"], 3) for e, r in runs.items()}},
+        "backend": jax.default_backend(),
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    app.run(main)
