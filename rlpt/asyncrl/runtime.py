@@ -102,10 +102,12 @@ class PromptSource(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class GroupReward:
-    """A judged group: ``rewards`` and ``success`` [G] in sample order."""
+    """A judged group: ``rewards`` and ``success`` [G] in sample order; ``extra`` anything
+    JSON-safe the learner needs besides (validity, loss weights, texts)."""
 
     rewards: np.ndarray
     success: np.ndarray
+    extra: Any = None
 
 
 RewardFn = Callable[[Prompt, Sequence[Completion]], GroupReward]
@@ -122,6 +124,7 @@ class Group:
     finish: list[str]
     rewards: np.ndarray  # [G]
     success: np.ndarray  # [G]
+    extra: Any = None  # the reward function's GroupReward.extra
 
     def to_json(self) -> dict:
         return {
@@ -130,6 +133,7 @@ class Group:
             "logprobs": [x.tolist() for x in self.logprobs],
             "versions": [v.tolist() for v in self.versions], "finish": list(self.finish),
             "rewards": self.rewards.tolist(), "success": self.success.tolist(),
+            "extra": self.extra,
         }  # fmt: skip
 
     @staticmethod
@@ -140,7 +144,7 @@ class Group:
             logprobs=[np.asarray(x, np.float32) for x in d["logprobs"]],
             versions=[np.asarray(v, np.int32) for v in d["versions"]],
             finish=list(d["finish"]), rewards=np.asarray(d["rewards"], np.float32),
-            success=np.asarray(d["success"], np.float32),
+            success=np.asarray(d["success"], np.float32), extra=d.get("extra"),
         )  # fmt: skip
 
 
@@ -204,6 +208,11 @@ class AsyncRunner:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.timeline: list[dict[str, float]] = []
 
+    def paused(self) -> threading.Condition:
+        """``with runner.paused():`` the actor admits nothing and swaps no weights meanwhile
+        (for host state it shares with the caller: the prompt loader, a checkpoint)."""
+        return self._lock
+
     # -- checkpoint ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
@@ -234,16 +243,17 @@ class AsyncRunner:
 
     # -- running -------------------------------------------------------------------------------
 
-    def run(self, num_steps: int, on_step: Callable[[int, dict], None] | None = None) -> list:
-        """``num_steps`` learner steps; each step's metrics (also passed to ``on_step``)."""
+    def run(self, num_steps: int, on_step: Callable[[int, dict], Any] | None = None) -> list:
+        """``num_steps`` learner steps; each step's metrics (also passed to ``on_step``, which
+        ends the run early by returning True)."""
         metrics = []
         with concurrent.futures.ThreadPoolExecutor(self.cfg.reward_threads) as executor:
             self._executor = executor
             if self.cfg.mode == "sync":
                 for _ in range(num_steps):
                     metrics.append(self._sync_step())
-                    if on_step:
-                        on_step(self.version, metrics[-1])
+                    if on_step and on_step(self.version, metrics[-1]):
+                        break
                 return metrics
             self._stop = False
             actor = threading.Thread(target=self._actor_loop, name="rlpt-actor", daemon=True)
@@ -251,8 +261,8 @@ class AsyncRunner:
             try:
                 for _ in range(num_steps):
                     metrics.append(self._learner_step())
-                    if on_step:
-                        on_step(self.version, metrics[-1])
+                    if on_step and on_step(self.version, metrics[-1]):
+                        break
             finally:
                 with self._lock:
                     self._stop = True
@@ -293,7 +303,7 @@ class AsyncRunner:
             versions=[c.versions for c in completions],
             finish=[c.finish_reason for c in completions],
             rewards=np.asarray(verdict.rewards, np.float32),
-            success=np.asarray(verdict.success, np.float32),
+            success=np.asarray(verdict.success, np.float32), extra=verdict.extra,
         )  # fmt: skip
         versions = np.concatenate([c.versions for c in completions] or [np.zeros(1, np.int32)])
         if versions.size == 0:
@@ -429,6 +439,7 @@ class AsyncRunner:
             "async/groups": len(draw.items), "async/tokens": draw.num_tokens,
             "async/due": draw.due, "async/learner_wait_s": wait_s, "time/step_s": step_s,
             "async/pool_groups": len(self.pool), "async/version": self.version,
+            "async/prompt_keys": sorted(int(k) for k in draw.keys),
         })  # fmt: skip
         return out
 

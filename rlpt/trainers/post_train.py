@@ -61,6 +61,7 @@ from rlpt.tasks import Verifier
 from rlpt.trainers import learned_rewards, outputs
 from rlpt.trainers.context import SAMPLES_FILE, RunEvaluation, StageContext
 from rlpt.trainers.outputs import SUMMARY_FILE
+from rlpt.trainers.async_stage import AsyncPPOStage
 from rlpt.trainers.ppo_stage import PPOStage
 from rlpt.trainers.sft_stage import SFTStage
 
@@ -182,10 +183,14 @@ class PostTrainRun:
             mesh=self.mesh,
         )  # fmt: skip
 
-        # RL: the learner, the curriculum loader and the rollout worker.
+        # RL: the learner, the curriculum loader and the rollout worker. Asynchronous runs
+        # put the rollout engine and the learner on disjoint sub-meshes.
+        actor_mesh, learner_mesh = None, self.mesh
+        if config.async_.enabled:
+            actor_mesh, learner_mesh = self._role_meshes()
         self.learner = PPOLearner(
             self.ppo_cfg, self.policy_graph, self.model_cfg, value_key=self.keys["value_init"],
-            base_params=self.base_params, lora=self.lora, mesh=self.mesh,
+            base_params=self.base_params, lora=self.lora, mesh=learner_mesh,
         )  # fmt: skip
         self.loader = self._make_loader()
         rollout = RolloutWorker(
@@ -193,16 +198,24 @@ class PostTrainRun:
             max_new_tokens=config.rollout.max_new_tokens,
             sampling=SamplingParams(temperature=config.rollout.temperature),
         )  # fmt: skip
-        self.ppo = PPOStage(
-            config, loader=self.loader, rollout=rollout, reward=self.reward,
-            learner=self.learner, evaluation=self.evaluation,
-            make_batch_kwargs=dict(
-                prompt_buckets=self.sampler.buckets,
-                pad_id=self.tokenizer.pad_id, step_id=self.tokenizer.step_id,
-                max_new_tokens=config.rollout.max_new_tokens,
-            ),
-            n_policy_params=self.n_policy_params, peak_flops=self._peak_flops,
+        make_batch_kwargs = dict(
+            prompt_buckets=self.sampler.buckets, pad_id=self.tokenizer.pad_id,
+            step_id=self.tokenizer.step_id, max_new_tokens=config.rollout.max_new_tokens,
         )  # fmt: skip
+        if config.async_.enabled:
+            self.ppo = AsyncPPOStage(
+                config, loader=self.loader, tokenizer=self.tokenizer, reward=self.reward,
+                learner=self.learner, evaluation=self.evaluation,
+                make_batch_kwargs=make_batch_kwargs, policy_graph=self.policy_graph,
+                model_cfg=self.model_cfg, actor_mesh=actor_mesh,
+            )  # fmt: skip
+        else:
+            self.ppo = PPOStage(
+                config, loader=self.loader, rollout=rollout, reward=self.reward,
+                learner=self.learner, evaluation=self.evaluation,
+                make_batch_kwargs=make_batch_kwargs, n_policy_params=self.n_policy_params,
+                peak_flops=self._peak_flops,
+            )  # fmt: skip
 
         self.ckpt = ckpt_lib.Checkpointer(
             os.path.join(self.workdir, ckpt_lib.CHECKPOINT_DIR),
@@ -212,6 +225,26 @@ class PostTrainRun:
         self.profiler = StepProfiler(
             config.profile.steps, config.profile.dir or os.path.join(self.workdir, PROFILE_DIR)
         )
+
+    def _role_meshes(self):
+        """(actor mesh, learner mesh): the first ``async.actor_devices`` devices (-1: half)
+        for the rollout engine, the rest for the learner, each data-parallel."""
+        devices = jax.devices()
+        n = self.config.async_.actor_devices
+        if len(devices) == 1 and n in (-1, 1):
+            # One device: both roles share it; the threads still overlap sandbox waits and
+            # host work with device work.
+            logging.info("async: one device, shared by the rollout engine and the learner")
+            return self.mesh, self.mesh
+        n = max(1, len(devices) // 2) if n == -1 else n
+        if jax.process_count() > 1:
+            raise ValueError("async.enabled runs in one process (multi-host roles: not yet)")
+        if not 1 <= n < len(devices):
+            raise ValueError(
+                f"async.actor_devices must leave the learner at least one of the "
+                f"{len(devices)} devices, got {n}"
+            )
+        return make_mesh(devices=devices[:n]), make_mesh(devices=devices[n:])
 
     def context(self) -> StageContext:
         """What a stage receives."""

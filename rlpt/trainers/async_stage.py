@@ -1,0 +1,293 @@
+"""The ``ppo`` stage with ``async.enabled``: actors and the learner overlap.
+
+The rollout engine runs on its own sub-mesh (``async.actor_devices`` of the devices), the
+learner on the rest; ``rlpt.asyncrl.AsyncRunner`` drives both (see its module doc). This
+stage adapts the trainer's roles to it: prompts come from the curriculum loader one group
+at a time (``LoaderPrompts``), the reward role judges each group as it finishes, and the
+learner lays a pool draw out as its batch (token in, token out, behaviour log-probs per
+token), scores it with its current parameters (the proximal policy), updates, and publishes
+the new weights. Metrics, periodic evaluation and checkpoints are those of the synchronous
+stage; a checkpoint also holds the runner's state (the pool, the prompts in flight and the
+loader's position), so a resumed run loses no prompt and sees none twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlpt.asyncrl import AsyncConfig, AsyncRunner, Group, GroupReward, Prompt
+from rlpt.data import CurriculumLoader, Feedback
+from rlpt.parallel.multihost import to_host
+from rlpt.roles import PPOLearner, RewardRole, Trajectories
+from rlpt.roles.rollout import Verdicts, decode_response
+from rlpt.sampling import Engine, RequestParams
+from rlpt.tasks.base import Task
+from rlpt.trainers.context import RunEvaluation, StageContext
+
+ASYNC_STATE = "async"  # the checkpoint record's key for the runner's state
+
+
+class LoaderPrompts:
+    """The curriculum loader's batches as one prompt (group) at a time.
+
+    A prompt's key is its position in this stream. The state is the position, the prompts
+    of the current loader batch not yet handed out, and the loader's own state."""
+
+    def __init__(self, loader: CurriculumLoader, group_size: int):
+        self.loader = loader
+        self.group_size = group_size
+        self.position = 0
+        self.buffer: list[Prompt] = []
+
+    def next(self) -> Prompt:
+        if not self.buffer:
+            batch = self.loader.next()
+            for row in range(0, len(batch.tasks), self.group_size):
+                ids = batch.tokens[row][np.asarray(batch.mask[row], bool)]
+                info = {
+                    "task": dataclasses.asdict(batch.tasks[row]),
+                    "difficulty": int(batch.difficulty[row]),
+                    "loss_weight": float(batch.loss_weight[row]),
+                }
+                self.buffer.append(Prompt(
+                    self.position, tuple(int(t) for t in ids), info,
+                    domain=int(batch.domain_index[row]),
+                ))  # fmt: skip
+                self.position += 1
+        return self.buffer.pop(0)
+
+    def state_dict(self) -> dict:
+        from rlpt.asyncrl.runtime import _prompt_to_json
+
+        return {
+            "position": self.position, "buffer": [_prompt_to_json(p) for p in self.buffer],
+            "loader": self.loader.get_state(),
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        from rlpt.asyncrl.runtime import _prompt_from_json
+
+        self.position = int(state["position"])
+        self.buffer = [_prompt_from_json(p) for p in state["buffer"]]
+        self.loader.set_state(state["loader"])
+
+
+def _task(info: dict) -> Task:
+    return Task(**info["task"])
+
+
+class AsyncPPOStage:
+    """The RL stage on ``AsyncRunner``."""
+
+    def __init__(
+        self,
+        config,
+        *,
+        loader: CurriculumLoader,
+        tokenizer,
+        reward: RewardRole,
+        learner: PPOLearner,
+        evaluation: RunEvaluation,
+        make_batch_kwargs: dict[str, Any],
+        policy_graph,
+        model_cfg,
+        actor_mesh,
+    ):
+        self.config = config
+        self.loader = loader
+        self.tokenizer = tokenizer
+        self.reward = reward
+        self.learner = learner
+        self.evaluation = evaluation
+        self.make_batch_kwargs = make_batch_kwargs
+        self.policy_graph = policy_graph
+        self.model_cfg = model_cfg
+        self.actor_mesh = actor_mesh
+        self.names = loader.names
+        a, r = config.async_, config.rollout
+        self.async_cfg = AsyncConfig(
+            max_staleness=a.max_staleness, batch_groups=r.batch_size // r.group_size,
+            group_size=r.group_size, pool_capacity_tokens=a.pool_capacity_tokens,
+            priority=a.priority, alpha=a.alpha, beta=a.beta, max_reuse=a.max_reuse,
+            reward_threads=a.reward_threads, in_flight=a.in_flight,
+        )  # fmt: skip
+
+    # -- the runner's parts --------------------------------------------------------------------
+
+    def _group_trajectories(self, groups: list[Group], version_of=None) -> Trajectories:
+        """Rows of ``groups`` as the roles' ``Trajectories``, prompts left-padded to the
+        loader's bucket for their length, responses to ``rollout.max_new_tokens``."""
+        width = self.config.rollout.max_new_tokens
+        buckets = self.make_batch_kwargs["prompt_buckets"]
+        longest = max(len(g.prompt.tokens) for g in groups)
+        p = next((b for b in buckets if b >= longest), longest)
+        rows = [(g, i) for g in groups for i in range(len(g.tokens))]
+        n = len(rows)
+        pad = self.tokenizer.pad_id
+        prompt = np.full((n, p), pad, np.int32)
+        prompt_mask = np.zeros((n, p), bool)
+        tokens = np.full((n, width), pad, np.int32)
+        logprobs = np.zeros((n, width), np.float32)
+        mask = np.zeros((n, width), np.float32)
+        lengths = np.zeros(n, np.int32)
+        for row, (g, i) in enumerate(rows):
+            ids = g.prompt.tokens
+            prompt[row, p - len(ids) :] = ids
+            prompt_mask[row, p - len(ids) :] = True
+            k = len(g.tokens[i])
+            tokens[row, :k] = g.tokens[i]
+            logprobs[row, :k] = g.logprobs[i]
+            mask[row, :k] = 1.0
+            lengths[row] = k
+        tasks = [_task(g.prompt.info) for g, _ in rows]
+        return Trajectories(
+            prompt_tokens=prompt, prompt_mask=prompt_mask, tasks=tasks,
+            names=[self.names[g.prompt.domain] for g, _ in rows],
+            texts=[decode_response(self.tokenizer, tokens[r, : lengths[r]]) for r in range(n)],
+            tokens=tokens, logprobs=logprobs, mask=mask, lengths=lengths,
+            truncated=np.array([g.finish[i] == "length" for g, i in rows]),
+            loss_weight=np.array([g.prompt.info["loss_weight"] for g, _ in rows], np.float32),
+            domain_index=np.array([g.prompt.domain for g, _ in rows], np.int32),
+            difficulty=np.array([g.prompt.info["difficulty"] for g, _ in rows], np.int32),
+            policy_version=np.array(
+                [int(g.versions[i].min()) if len(g.versions[i]) else 0 for g, i in rows], np.int32
+            ),
+        )  # fmt: skip
+
+    def _judge(self, prompt: Prompt, completions) -> GroupReward:
+        group = Group(
+            prompt=prompt, tokens=[c.tokens for c in completions],
+            logprobs=[c.logprobs for c in completions],
+            versions=[c.versions for c in completions],
+            finish=[c.finish_reason for c in completions],
+            rewards=np.zeros(len(completions), np.float32),
+            success=np.zeros(len(completions), np.float32),
+        )  # fmt: skip
+        v = self.reward.judge(self._group_trajectories([group])).verdicts
+        return GroupReward(
+            rewards=v.rewards, success=v.success,
+            extra={"weight": v.weight.tolist(), "valid": v.valid.tolist()},
+        )  # fmt: skip
+
+    def _learn(self, draw, version: int):
+        order = sorted(range(len(draw.items)), key=lambda i: draw.items[i].key)
+        groups = [draw.items[i].payload for i in order]
+        weights = np.asarray(draw.weights, np.float32)[order]
+        traj = self._group_trajectories(groups)
+        g = self.config.rollout.group_size
+        verdicts = Verdicts(
+            results=[None] * len(traj),
+            rewards=np.concatenate([x.rewards for x in groups]).astype(np.float32),
+            weight=np.concatenate([np.asarray(x.extra["weight"], np.float32) for x in groups]),
+            success=np.concatenate([x.success for x in groups]).astype(np.float32),
+            valid=np.concatenate([np.asarray(x.extra["valid"], np.float32) for x in groups]),
+        )  # fmt: skip
+        # The pool's priority weights (1 under uniform priority) scale the rows' loss.
+        traj = dataclasses.replace(
+            traj, verdicts=verdicts, loss_weight=traj.loss_weight * np.repeat(weights, g)
+        )
+        group_id = np.repeat(np.arange(len(groups)), g).astype(np.int32)
+        batch, _ = self.learner.make_batch(traj, group_id, **self.make_batch_kwargs)
+        batch = self.learner.score(batch)
+        mismatch = self.learner.trainer.mismatch(batch)
+        batch = self.learner.advantages(batch)
+        metrics = {**mismatch, **self.learner.update(batch)}
+        adv, mask = to_host((batch.advantages, batch.response_mask))
+        abs_adv = np.abs(adv * mask).sum(1) / np.maximum(mask.sum(1), 1.0)
+        keep = verdicts.valid > 0
+        self._feedback = Feedback(
+            domain_index=traj.domain_index[keep], success=verdicts.success[keep],
+            reward=verdicts.rewards[keep], abs_advantage=abs_adv[keep],
+            difficulty=traj.difficulty[keep],
+        )  # fmt: skip
+        self._traj = traj
+        weights_out = jax.tree.map(jnp.copy, self.learner.policy_params())
+        return weights_out, {f"ppo/{k}": v for k, v in to_host(metrics).items()}
+
+    # -- the stage -----------------------------------------------------------------------------
+
+    def run(self, ctx: StageContext) -> bool:
+        """PPO to ``ppo_steps``; False if ``stop_after_step`` stopped it first."""
+        c = self.config
+        total = c.ppo_steps
+        if ctx.stage_step >= total:
+            return True
+        engine = Engine(
+            self.policy_graph, self.learner.policy_params(), self.model_cfg,
+            eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+            num_slots=c.rollout.slots, mesh=self.actor_mesh,
+            max_seq_len=max(self.make_batch_kwargs["prompt_buckets"]) + c.rollout.max_new_tokens,
+        )  # fmt: skip
+        prompts = LoaderPrompts(self.loader, c.rollout.group_size)
+        runner = AsyncRunner(
+            self.async_cfg, engine, prompts, self._judge, self._learn,
+            RequestParams(
+                max_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
+                stop_ids=(self.tokenizer.eos_id,),
+            ),
+            seed=c.seed, version=ctx.stage_step,
+        )  # fmt: skip
+        state = ctx.meta.get(ASYNC_STATE)
+        if state is not None and int(state["version"]) == ctx.stage_step:
+            runner.load_state_dict(state, self.learner.policy_params())
+        progress = ctx.progress(total, "ppo")
+        stopped = {"early": False}
+        t_last = [time.perf_counter()]
+
+        def on_step(version: int, metrics: dict) -> bool:
+            with runner.paused():  # the actor leaves the loader and the pool alone meanwhile
+                self.loader.update(self._feedback)
+                last, m = self._after_step(ctx, runner, metrics, t_last, total)
+            progress.update({k: m[k] for k in ("ppo/success",) if k in m})
+            if ctx.should_stop(last):
+                stopped["early"] = True
+                return True
+            return False
+
+        try:
+            runner.run(total - ctx.stage_step, on_step=on_step)
+        finally:
+            progress.close()
+        return not stopped["early"]
+
+    def _after_step(self, ctx, runner, metrics, t_last, total):
+        c = self.config
+        traj = self._traj
+        now = time.perf_counter()
+        ctx.advance()
+        step = ctx.step
+        m = dict(metrics)
+        valid = self._feedback.success.size > 0
+        m["ppo/success"] = float(self._feedback.success.mean()) if valid else float("nan")
+        m["ppo/score"] = float(np.mean(self._feedback.reward)) if valid else float("nan")
+        m["ppo/truncated_frac"] = float(np.mean(traj.truncated))
+        counters = self.reward.counters
+        m["ppo/sandbox_failures"] = counters["sandbox_failures"]
+        m["ppo/nonfinite_rewards"] = counters["nonfinite_rewards"]
+        for d, name in enumerate(self.names):
+            rows = self._feedback.domain_index == d
+            if rows.any():
+                m[f"ppo/{name}/success"] = float(self._feedback.success[rows].mean())
+        m.update(self.loader.metrics())
+        m["time/step_s"] = now - t_last[0]
+        m["time/tokens_per_s"] = float(traj.lengths.sum()) / max(now - t_last[0], 1e-9)
+        t_last[0] = now
+        last = ctx.stage_step == total
+        params = None
+        if last or (c.eval.every and ctx.stage_step % c.eval.every == 0):
+            params = self.learner.policy_params()
+        if last:
+            m.update(self.evaluation.full(params, step, "final", ctx.meta["eval"]))
+        elif params is not None:
+            m.update(self.evaluation.periodic(params, step))
+        ctx.write(m, "ppo")
+        if last or ctx.checkpoint_due(step) or ctx.should_stop(last):
+            ctx.meta[ASYNC_STATE] = runner.state_dict()
+            ctx.save()
+        return last, m
