@@ -507,6 +507,9 @@ class AsyncSection:
     pool_capacity_tokens: int = 1 << 20
     reward_threads: int = 4
     in_flight: str = "continue"
+    # "sync": the same parts strictly in turn (generate the batch, judge it, update), the
+    # synchronous baseline that max_staleness = 0 reproduces step for step.
+    mode: str = "async"
 
     def __post_init__(self):
         from rlpt.asyncrl.pool import PRIORITIES
@@ -521,6 +524,7 @@ class AsyncSection:
         _at_least("async.pool_capacity_tokens", self.pool_capacity_tokens, 1)
         _at_least("async.reward_threads", self.reward_threads, 1)
         _choice("async.in_flight", self.in_flight, ("continue", "requeue"))
+        _choice("async.mode", self.mode, ("async", "sync"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -251,8 +251,11 @@ class AsyncRunner:
             self._executor = executor
             if self.cfg.mode == "sync":
                 for _ in range(num_steps):
-                    metrics.append(self._sync_step())
-                    if on_step and on_step(self.version, metrics[-1]):
+                    step_metrics, params = self._sync_step()
+                    metrics.append(step_metrics)
+                    stop = bool(on_step and on_step(self.version, step_metrics))
+                    self.engine.update_weights(params, self.version)
+                    if stop:
                         break
                 return metrics
             self._stop = False
@@ -260,8 +263,16 @@ class AsyncRunner:
             actor.start()
             try:
                 for _ in range(num_steps):
-                    metrics.append(self._learner_step())
-                    if on_step and on_step(self.version, metrics[-1]):
+                    step_metrics, params = self._learner_step()
+                    metrics.append(step_metrics)
+                    # The caller's step (curriculum feedback, evaluation, a checkpoint) comes
+                    # before the actor may see the new version, so prompts admitted for it
+                    # are drawn after the feedback, as in the synchronous order.
+                    stop = bool(on_step and on_step(self.version, step_metrics))
+                    with self._lock:
+                        self._weights = (params, self.version)
+                        self._lock.notify_all()
+                    if stop:
                         break
             finally:
                 with self._lock:
@@ -318,19 +329,21 @@ class AsyncRunner:
     # -- the actor -----------------------------------------------------------------------------
 
     def _admit(self) -> list[Prompt]:
-        """Prompts the staleness rule lets start now (under the lock)."""
-        limit = (self.version + self.cfg.max_staleness + 1) * self.cfg.batch_groups
+        """Prompts the staleness rule lets start now (under the lock). The rule counts from
+        the version the engine holds, which is what the prompt's tokens will carry."""
+        version = self.engine.version
+        limit = (version + self.cfg.max_staleness + 1) * self.cfg.batch_groups
         admitted = []
         # Prompts in flight at a checkpoint were counted when they first started.
         while self._requeue and not self._pending:
             prompt = self._requeue.pop(0)
             self._inflight[prompt.key] = prompt
-            self._admitted_at[prompt.key] = self.version
+            self._admitted_at[prompt.key] = version
             admitted.append(prompt)
         while self.started < limit and not self._pending:
             prompt = self.prompts.next()
             self._inflight[prompt.key] = prompt
-            self._admitted_at[prompt.key] = self.version
+            self._admitted_at[prompt.key] = version
             self.started += 1
             admitted.append(prompt)
         return admitted
@@ -416,9 +429,7 @@ class AsyncRunner:
         params, metrics = self.learner(draw, self.version)
         with self._lock:
             self.version += 1
-            self._weights = (params, self.version)
-            self._lock.notify_all()
-        return self._step_metrics(draw, metrics, t_wait, time.perf_counter() - t0)
+        return self._step_metrics(draw, metrics, t_wait, time.perf_counter() - t0), params
 
     def _draw(self) -> Draw:
         cfg = self.cfg
@@ -463,5 +474,4 @@ class AsyncRunner:
         t_wait = time.perf_counter() - t0
         params, metrics = self.learner(draw, self.version)
         self.version += 1
-        self.engine.update_weights(params, self.version)
-        return self._step_metrics(draw, metrics, t_wait, time.perf_counter() - t0)
+        return self._step_metrics(draw, metrics, t_wait, time.perf_counter() - t0), params

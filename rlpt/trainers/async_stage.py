@@ -115,7 +115,7 @@ class AsyncPPOStage:
             max_staleness=a.max_staleness, batch_groups=r.batch_size // r.group_size,
             group_size=r.group_size, pool_capacity_tokens=a.pool_capacity_tokens,
             priority=a.priority, alpha=a.alpha, beta=a.beta, max_reuse=a.max_reuse,
-            reward_threads=a.reward_threads, in_flight=a.in_flight,
+            reward_threads=a.reward_threads, in_flight=a.in_flight, mode=a.mode,
         )  # fmt: skip
 
     # -- the runner's parts --------------------------------------------------------------------

@@ -73,3 +73,23 @@ def test_stopped_and_rerun_async_run_trains_on_every_prompt_once(tmp_path):
 def test_async_settings_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(_config(**overrides))
+
+
+def test_staleness_zero_reproduces_the_synchronous_run(tmp_path):
+    """async.max_staleness = 0 against async.mode = 'sync' (the same parts strictly in turn):
+    every logged metric but timings and waits is equal at every step."""
+    runs = {}
+    for name, overrides in (
+        ("sync", {"async.mode": "sync", "async.max_staleness": 0}),
+        ("eta0", {"async.max_staleness": 0}),
+    ):
+        workdir = str(tmp_path / name)
+        train.train_and_evaluate(_config(**overrides), workdir)
+        runs[name] = [
+            {k: v for k, v in r.items()
+             if not k.startswith(("time/", "async/learner_wait_s", "async/pool_groups"))}
+            for r in _ppo_lines(workdir)
+        ]  # fmt: skip
+    assert len(runs["sync"]) == 5
+    for a, b in zip(runs["sync"], runs["eta0"]):
+        assert a == b
