@@ -59,9 +59,9 @@ from rlpt.sampling import SamplingParams, make_sampler
 from rlpt.sandbox import pool_from_config
 from rlpt.tasks import Verifier
 from rlpt.trainers import learned_rewards, outputs
+from rlpt.trainers.async_stage import AsyncPPOStage
 from rlpt.trainers.context import SAMPLES_FILE, RunEvaluation, StageContext
 from rlpt.trainers.outputs import SUMMARY_FILE
-from rlpt.trainers.async_stage import AsyncPPOStage
 from rlpt.trainers.ppo_stage import PPOStage
 from rlpt.trainers.sft_stage import SFTStage
 
