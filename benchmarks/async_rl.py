@@ -24,7 +24,11 @@ Runs, in this order, each with a fresh model from the same seed:
   trained on nor held (in the pool or in flight) at the end (target 0).
 
 The final JSON line also has the staleness histogram per eta (groups trained on at each
-staleness, all timed steps). What it leaves out: the learner and the actor share the
+staleness, all timed steps), ``simulator_predicted_speedup`` (``rlpt.asyncrl.simulator``
+calibrated on the sync run's measured phases and lengths, for this machine's 8 host
+devices on 2 cores, next to the measured ``speedup_vs_sync``) and
+``simulator_pod_speedup`` (its predictions for 8, 64 and 256 accelerators under
+``example_pod_config``: estimates, not measurements). What it leaves out: the learner and the actor share the
 machine's 2 cores, so the overlap is of sandbox waits and host work with device work,
 not of two accelerators; a pod's gain is the simulator's to predict
 (``rlpt.asyncrl.simulator``).
@@ -47,6 +51,13 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from rlpt.asyncrl import AsyncConfig, AsyncRunner, GroupReward, PPOAsyncLearner, Prompt  # noqa: E402
+from rlpt.asyncrl.simulator import (  # noqa: E402
+    PhaseTiming,
+    TimelineConfig,
+    calibrate,
+    example_pod_config,
+    predict_speedup,
+)
 from rlpt.models import CausalLM, ModelConfig, create_model  # noqa: E402
 from rlpt.parallel import make_mesh  # noqa: E402
 from rlpt.rl import PPOConfig, PPOTrainer, init_train_state  # noqa: E402
@@ -207,6 +218,31 @@ def main(argv):
         everything = consumed + consumed_after
         duplicated = len(everything) - len(set(everything))
         missing = len(set(range(final["started"])) - set(everything) - set(held))
+    # The timeline simulator, calibrated on the sync run's measured phases, predicts the
+    # async speedups on this machine (8 host devices on 2 cores) and at pod scale.
+    timings = [
+        PhaseTiming(
+            response_lengths=tuple(max(1, n) for n in m["async/response_lengths"]),
+            generate_s=m["time/generate_s"], reward_s=m["time/reward_s"],
+            update_s=m["time/update_s"],
+        )  # fmt: skip
+        for m in sync["metrics"][_WARMUP.value :]
+    ]
+    here = TimelineConfig(
+        total_devices=8, actor_devices=4, batch_prompts=_GROUPS.value,
+        group_size=_GROUP_SIZE.value, num_steps=_STEPS.value, max_staleness=1,
+        prompt_tokens=PROMPT_LEN,
+        response_lengths=tuple(n for t in timings for n in t.response_lengths),
+        sandbox_workers=_SANDBOX_WORKERS.value, max_slots_per_device=2 * _GROUP_SIZE.value,
+        virtual_devices=True, host_cores=2,
+    )  # fmt: skip
+    predicted = predict_speedup(calibrate(here, timings), etas=[int(e) for e in _ETAS.value])
+    pods = {
+        str(n): {e: round(v, 2) for e, v in predict_speedup(
+            example_pod_config(n), etas=[int(e) for e in _ETAS.value], best_split=True
+        )["speedup_vs_sync"].items()}
+        for n in (8, 64, 256)
+    }  # fmt: skip
     for eta, run in runs.items():
         results[f"speedup_vs_sync_eta{eta}"] = round(
             run["samples_per_s"] / sync["samples_per_s"], 3
@@ -218,6 +254,10 @@ def main(argv):
         "sync_samples_per_s": round(sync["samples_per_s"], 2),
         **{f"async_eta{e}_samples_per_s": round(r["samples_per_s"], 2) for e, r in runs.items()},
         "speedup_vs_sync": {str(e): results[f"speedup_vs_sync_eta{e}"] for e in runs},
+        "simulator_predicted_speedup": {
+            e: round(v, 3) for e, v in predicted["speedup_vs_sync"].items()
+        },
+        "simulator_pod_speedup": pods,
         "sync_equivalence_max_abs_diff": max(diffs),
         "lost_or_duplicated_prompts": duplicated + missing,
         "staleness_hist": {str(e): r["staleness_hist"] for e, r in runs.items()},

@@ -464,6 +464,7 @@ class AsyncRunner:
             prompts += [self.prompts.next() for _ in range(fresh)]
             self.started += fresh
         done = self.engine.generate([self._request(p) for p in prompts])
+        t_generated = time.perf_counter()
         by_key: dict[int, list[Completion]] = {}
         for c in done:
             by_key.setdefault(c.request_id, []).append(c)
@@ -474,4 +475,15 @@ class AsyncRunner:
         t_wait = time.perf_counter() - t0
         params, metrics = self.learner(draw, self.version)
         self.version += 1
-        return self._step_metrics(draw, metrics, t_wait, time.perf_counter() - t0), params
+        out = self._step_metrics(draw, metrics, t_wait, time.perf_counter() - t0)
+        # Phase times and lengths (prompt by prompt, sample by sample): what the timeline
+        # simulator's calibration fits (rlpt.asyncrl.simulator.PhaseTiming).
+        out.update({
+            "time/generate_s": t_generated - t0, "time/reward_s": t0 + t_wait - t_generated,
+            "time/update_s": out["time/step_s"] - t_wait,
+            "async/response_lengths": [
+                len(c.tokens) for p in prompts
+                for c in sorted(by_key[p.key], key=lambda c: c.index)
+            ],
+        })  # fmt: skip
+        return out, params
