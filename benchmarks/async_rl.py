@@ -28,9 +28,9 @@ staleness, all timed steps), ``simulator_predicted_speedup`` (``rlpt.asyncrl.sim
 calibrated on the sync run's measured phases and lengths, for this machine's 8 host
 devices on 2 cores, next to the measured ``speedup_vs_sync``) and
 ``simulator_pod_speedup`` (its predictions for 8, 64 and 256 accelerators under
-``example_pod_config``: estimates, not measurements). What it leaves out: the learner and the actor share the
-machine's 2 cores, so the overlap is of sandbox waits and host work with device work,
-not of two accelerators; a pod's gain is the simulator's to predict
+``example_pod_config``: estimates, not measurements). What it leaves out: the learner and
+the actor share the machine's 2 cores, so the overlap is of sandbox waits and host work
+with device work, not of two accelerators; a pod's gain is the simulator's to predict
 (``rlpt.asyncrl.simulator``).
 """
 
@@ -223,7 +223,8 @@ def main(argv):
     timings = [
         PhaseTiming(
             response_lengths=tuple(max(1, n) for n in m["async/response_lengths"]),
-            generate_s=m["time/generate_s"], reward_s=m["time/reward_s"],
+            generate_s=m["time/generate_s"],
+            reward_s=m["time/reward_s"],
             update_s=m["time/update_s"],
         )  # fmt: skip
         for m in sync["metrics"][_WARMUP.value :]

@@ -10,7 +10,7 @@ Smoke run:
     python -m rlpt.train --config=experiments/demo_async.py:runlocal \\
         --workdir=/tmp/rlpt_demo_async_smoke
 
-Everything is ``experiments/demo.py`` except: ``async.enabled`` with ``max_staleness = 2``;
+Everything is ``experiments/demo.py`` except: ``async_rl.enabled`` with ``max_staleness = 2``;
 decoupled PPO (the learner's parameters when a batch is formed are the proximal policy,
 the engine's per-token log-probs the behaviour policy, importance weights truncated at
 ``ppo.is_cap``); no dynamic sampling (a group is trained on as it comes; the pool's
@@ -28,9 +28,9 @@ from experiments import demo
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config = demo.get_config(arg)
-    config["async"].enabled = True
-    config["async"].max_staleness = 2
-    config["async"].priority = "learnability"
+    config.async_rl.enabled = True
+    config.async_rl.max_staleness = 2
+    config.async_rl.priority = "learnability"
     config.ppo.behaviour_correction = "truncate"
     config.rollout.filter_groups = False
     return config

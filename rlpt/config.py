@@ -489,7 +489,7 @@ class ProfileSection:
 
 @dataclasses.dataclass(frozen=True)
 class AsyncSection:
-    """``async``: actors and a learner that overlap (``rlpt.asyncrl``); off by default.
+    """``async_rl``: actors and a learner that overlap (``rlpt.asyncrl``); off by default.
 
     The rollout engine runs on ``actor_devices`` of the devices (-1: half), the learner on
     the rest; every token of a batch is at most ``max_staleness`` policy versions old
@@ -514,17 +514,17 @@ class AsyncSection:
     def __post_init__(self):
         from rlpt.asyncrl.pool import PRIORITIES
 
-        _at_least("async.max_staleness", self.max_staleness, 0)
-        _check(self.actor_devices == -1 or self.actor_devices >= 1, "async.actor_devices",
+        _at_least("async_rl.max_staleness", self.max_staleness, 0)
+        _check(self.actor_devices == -1 or self.actor_devices >= 1, "async_rl.actor_devices",
                "a positive integer or -1", self.actor_devices)  # fmt: skip
-        _choice("async.priority", self.priority, PRIORITIES)
-        _positive("async.alpha", self.alpha)
-        _unit("async.beta", self.beta)
-        _at_least("async.max_reuse", self.max_reuse, 1)
-        _at_least("async.pool_capacity_tokens", self.pool_capacity_tokens, 1)
-        _at_least("async.reward_threads", self.reward_threads, 1)
-        _choice("async.in_flight", self.in_flight, ("continue", "requeue"))
-        _choice("async.mode", self.mode, ("async", "sync"))
+        _choice("async_rl.priority", self.priority, PRIORITIES)
+        _positive("async_rl.alpha", self.alpha)
+        _unit("async_rl.beta", self.beta)
+        _at_least("async_rl.max_reuse", self.max_reuse, 1)
+        _at_least("async_rl.pool_capacity_tokens", self.pool_capacity_tokens, 1)
+        _at_least("async_rl.reward_threads", self.reward_threads, 1)
+        _choice("async_rl.in_flight", self.in_flight, ("continue", "requeue"))
+        _choice("async_rl.mode", self.mode, ("async", "sync"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -617,10 +617,7 @@ class PostTrainConfig:
     profile: ProfileSection = dataclasses.field(default_factory=ProfileSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
-    # The config key is "async", a Python keyword: the field carries it as metadata.
-    async_: AsyncSection = dataclasses.field(
-        default_factory=AsyncSection, metadata={"key": "async"}
-    )
+    async_rl: AsyncSection = dataclasses.field(default_factory=AsyncSection)
 
     def __post_init__(self):
         _choice("trainer", self.trainer, ("post_train",))
@@ -636,14 +633,14 @@ class PostTrainConfig:
             _at_least("ppo.total_steps", self.ppo.total_steps, 0)
         self._check_ppo_against_rollout()
         self._check_learned_rewards()
-        if self.async_.enabled and self.rollout.filter_groups:
+        if self.async_rl.enabled and self.rollout.filter_groups:
             raise ConfigError(
-                "rollout.filter_groups must be False with async.enabled (groups are trained on "
-                "as they come; async.priority='learnability' favours groups whose rewards vary)"
+                "rollout.filter_groups must be False with async_rl.enabled (groups are trained on "
+                "as they come; async_rl.priority='learnability' favours groups whose rewards vary)"
             )
-        if self.async_.enabled and (self.rewards.reward_model > 0 or self.rewards.process > 0):
+        if self.async_rl.enabled and (self.rewards.reward_model > 0 or self.rewards.process > 0):
             raise ConfigError(
-                "async.enabled does not take learned reward terms yet: set rewards.reward_model "
+                "async_rl.enabled does not take learned reward terms yet: set rewards.reward_model "
                 "and rewards.process to 0"
             )
         k = len(self.domains)
@@ -911,11 +908,11 @@ def _defaults_dict(cls: type) -> ml_collections.ConfigDict:
             default = f.default_factory()
         hint = hints[f.name]
         if dataclasses.is_dataclass(default):
-            out[_key(f)] = _defaults_dict(type(default))
+            out[f.name] = _defaults_dict(type(default))
         elif default is None:
-            out[_key(f)] = config_dict.placeholder(_placeholder_type(hint))
+            out[f.name] = config_dict.placeholder(_placeholder_type(hint))
         else:
-            out[_key(f)] = default
+            out[f.name] = default
     return out
 
 
@@ -945,15 +942,13 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         return data
     if not isinstance(data, Mapping):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a section, got {data!r}")
-    fields = {_key(f): f.name for f in dataclasses.fields(cls) if f.init}
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
     for key in data:
-        if key not in fields:
-            raise ConfigError(unknown_key_message(f"{prefix}{key}", list(fields)))
+        if key not in names:
+            raise ConfigError(unknown_key_message(f"{prefix}{key}", names))
     hints = typing.get_type_hints(cls)
     kwargs = {
-        name: _coerce(f"{prefix}{key}", data[key], hints[name])
-        for key, name in fields.items()
-        if key in data
+        name: _coerce(f"{prefix}{name}", data[name], hints[name]) for name in names if name in data
     }
     try:
         return cls(**kwargs)
@@ -1013,15 +1008,10 @@ def _coerce(path: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def _key(field: dataclasses.Field) -> str:
-    """A field's config key: its name, or the key it carries (``async``, a keyword)."""
-    return field.metadata.get("key", field.name)
-
-
 def _plain(obj: Any) -> Any:
     """Dataclasses to dicts and tuples to lists, as ``json`` writes and reads them back."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {_key(f): _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, Mapping):
         return {str(k): _plain(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):

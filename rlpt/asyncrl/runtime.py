@@ -63,7 +63,7 @@ class AsyncConfig:
     def __post_init__(self):
         def at_least(name, value, low):
             if not isinstance(value, int) or value < low:
-                raise ValueError(f"async.{name} must be an integer >= {low}, got {value!r}")
+                raise ValueError(f"async_rl.{name} must be an integer >= {low}, got {value!r}")
 
         at_least("max_staleness", self.max_staleness, 0)
         at_least("batch_groups", self.batch_groups, 1)
@@ -79,7 +79,7 @@ class AsyncConfig:
             ("mode", self.mode, MODES),
         ):
             if value not in allowed:
-                raise ValueError(f"async.{name} must be one of {allowed}, got {value!r}")
+                raise ValueError(f"async_rl.{name} must be one of {allowed}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

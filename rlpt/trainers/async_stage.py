@@ -1,6 +1,6 @@
-"""The ``ppo`` stage with ``async.enabled``: actors and the learner overlap.
+"""The ``ppo`` stage with ``async_rl.enabled``: actors and the learner overlap.
 
-The rollout engine runs on its own sub-mesh (``async.actor_devices`` of the devices), the
+The rollout engine runs on its own sub-mesh (``async_rl.actor_devices`` of the devices), the
 learner on the rest; ``rlpt.asyncrl.AsyncRunner`` drives both (see its module doc). This
 stage adapts the trainer's roles to it: prompts come from the curriculum loader one group
 at a time (``LoaderPrompts``), the reward role judges each group as it finishes, and the
@@ -110,7 +110,7 @@ class AsyncPPOStage:
         self.model_cfg = model_cfg
         self.actor_mesh = actor_mesh
         self.names = loader.names
-        a, r = config.async_, config.rollout
+        a, r = config.async_rl, config.rollout
         self.async_cfg = AsyncConfig(
             max_staleness=a.max_staleness, batch_groups=r.batch_size // r.group_size,
             group_size=r.group_size, pool_capacity_tokens=a.pool_capacity_tokens,

@@ -186,7 +186,7 @@ class PostTrainRun:
         # RL: the learner, the curriculum loader and the rollout worker. Asynchronous runs
         # put the rollout engine and the learner on disjoint sub-meshes.
         actor_mesh, learner_mesh = None, self.mesh
-        if config.async_.enabled:
+        if config.async_rl.enabled:
             actor_mesh, learner_mesh = self._role_meshes()
         self.learner = PPOLearner(
             self.ppo_cfg, self.policy_graph, self.model_cfg, value_key=self.keys["value_init"],
@@ -202,7 +202,7 @@ class PostTrainRun:
             prompt_buckets=self.sampler.buckets, pad_id=self.tokenizer.pad_id,
             step_id=self.tokenizer.step_id, max_new_tokens=config.rollout.max_new_tokens,
         )  # fmt: skip
-        if config.async_.enabled:
+        if config.async_rl.enabled:
             self.ppo = AsyncPPOStage(
                 config, loader=self.loader, tokenizer=self.tokenizer, reward=self.reward,
                 learner=self.learner, evaluation=self.evaluation,
@@ -227,10 +227,10 @@ class PostTrainRun:
         )
 
     def _role_meshes(self):
-        """(actor mesh, learner mesh): the first ``async.actor_devices`` devices (-1: half)
+        """(actor mesh, learner mesh): the first ``async_rl.actor_devices`` devices (-1: half)
         for the rollout engine, the rest for the learner, each data-parallel."""
         devices = jax.devices()
-        n = self.config.async_.actor_devices
+        n = self.config.async_rl.actor_devices
         if len(devices) == 1 and n in (-1, 1):
             # One device: both roles share it; the threads still overlap sandbox waits and
             # host work with device work.
@@ -238,10 +238,10 @@ class PostTrainRun:
             return self.mesh, self.mesh
         n = max(1, len(devices) // 2) if n == -1 else n
         if jax.process_count() > 1:
-            raise ValueError("async.enabled runs in one process (multi-host roles: not yet)")
+            raise ValueError("async_rl.enabled runs in one process (multi-host roles: not yet)")
         if not 1 <= n < len(devices):
             raise ValueError(
-                f"async.actor_devices must leave the learner at least one of the "
+                f"async_rl.actor_devices must leave the learner at least one of the "
                 f"{len(devices)} devices, got {n}"
             )
         return make_mesh(devices=devices[:n]), make_mesh(devices=devices[n:])

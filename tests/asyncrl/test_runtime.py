@@ -120,8 +120,8 @@ def test_staleness_is_bounded_and_no_prompt_is_lost_across_a_resume(eta):
 
 
 def test_bad_settings_name_the_field():
-    with pytest.raises(ValueError, match="async.max_staleness"):
+    with pytest.raises(ValueError, match="async_rl.max_staleness"):
         AsyncConfig(max_staleness=-1)
-    with pytest.raises(ValueError, match="async.mode"):
+    with pytest.raises(ValueError, match="async_rl.mode"):
         AsyncConfig(mode="overlap")
     assert dataclasses.replace(AsyncConfig(), max_staleness=0).max_staleness == 0

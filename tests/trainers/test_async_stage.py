@@ -67,8 +67,8 @@ def test_stopped_and_rerun_async_run_trains_on_every_prompt_once(tmp_path):
     "overrides, message",
     [({"rollout.filter_groups": True}, "rollout.filter_groups"),
      ({"rewards.reward_model": 0.5, "stages": ("sft", "rm", "ppo")}, "learned reward"),
-     ({"async.priority": "newest"}, "async.priority"),
-     ({"async.max_staleness": -1}, "async.max_staleness")],
+     ({"async_rl.priority": "newest"}, "async_rl.priority"),
+     ({"async_rl.max_staleness": -1}, "async_rl.max_staleness")],
 )  # fmt: skip
 def test_async_settings_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -76,18 +76,19 @@ def test_async_settings_are_checked(overrides, message):
 
 
 def test_staleness_zero_reproduces_the_synchronous_run(tmp_path):
-    """async.max_staleness = 0 against async.mode = 'sync' (the same parts strictly in turn):
+    """async_rl.max_staleness = 0 against async.mode = 'sync' (the same parts strictly in turn):
     every logged metric but timings and waits is equal at every step."""
     runs = {}
     for name, overrides in (
-        ("sync", {"async.mode": "sync", "async.max_staleness": 0}),
-        ("eta0", {"async.max_staleness": 0}),
+        ("sync", {"async_rl.mode": "sync", "async_rl.max_staleness": 0}),
+        ("eta0", {"async_rl.max_staleness": 0}),
     ):
         workdir = str(tmp_path / name)
         train.train_and_evaluate(_config(**overrides), workdir)
         runs[name] = [
             {k: v for k, v in r.items()
-             if not k.startswith(("time/", "async/learner_wait_s", "async/pool_groups"))}
+             if not k.startswith(("time/", "async/learner_wait_s", "async/pool_groups",
+                                      "async/response_lengths"))}
             for r in _ppo_lines(workdir)
         ]  # fmt: skip
     assert len(runs["sync"]) == 5
