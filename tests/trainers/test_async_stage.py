@@ -5,6 +5,10 @@ rerun with the same command trains on every prompt exactly once."""
 import importlib.util
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -38,16 +42,40 @@ def _ppo_lines(workdir):
     return [r for r in lines if r.get("stage") == "ppo"]
 
 
-def test_stopped_and_rerun_async_run_trains_on_every_prompt_once(tmp_path):
+def test_killed_and_rerun_async_run_trains_on_every_prompt_once(tmp_path):
+    """SIGKILL a run between checkpoints (reward threads and the actor mid-flight), rerun
+    the same command: the run resumes from the checkpoint, whose pool and in-flight prompts
+    come back, and the logged steps train on every prompt at most once, with every prompt
+    drawn from the loader either trained on or still held."""
     workdir = str(tmp_path / "run")
-    # SFT is 3 steps; stop after PPO step 6, between the checkpoints of steps 6 and 8
-    # would be lost: the checkpoint at the stop holds the pool and the prompts in flight.
-    out = train.train_and_evaluate(_config(stop_after_step=6), workdir)
-    assert out == {"stopped_at_step": 6}
-    stopped = latest_checkpoint_meta(workdir)["async"]
-    held_at_stop = [p["key"] for p in stopped["inflight"]]
-    held_at_stop += [i["key"] for i in stopped["pool"]["items"]]
-    assert held_at_stop, "nothing was in flight or pooled at the stop: the test shows nothing"
+    command = [
+        sys.executable, "-m", "rlpt.train", "--config=experiments/demo_async.py:runlocal",
+        f"--workdir={workdir}", "--config.ppo_steps=5",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+    )  # fmt: skip
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    try:
+        # SFT is steps 1-3; checkpoints every 2 steps: kill once step 7 is logged, so the
+        # rerun restores step 6 and replays 7 and 8.
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if os.path.exists(metrics) and any(r["step"] >= 7 for r in _ppo_lines(workdir)):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    killed_at = latest_checkpoint_meta(workdir)
+    # Step 6's checkpoint is written in the background: a kill may find only step 4's.
+    assert killed_at["step"] in (4, 6)
+    held_at_kill = [p["key"] for p in killed_at["async"]["inflight"]]
+    held_at_kill += [i["key"] for i in killed_at["async"]["pool"]["items"]]
+    assert held_at_kill, "nothing was in flight or pooled at the kill: the test shows nothing"
     train.train_and_evaluate(_config(), workdir)
     lines = _ppo_lines(workdir)
     assert [r["step"] for r in lines] == [4, 5, 6, 7, 8]
@@ -56,7 +84,7 @@ def test_stopped_and_rerun_async_run_trains_on_every_prompt_once(tmp_path):
     final = latest_checkpoint_meta(workdir)["async"]
     held = [p["key"] for p in final["inflight"]] + [i["key"] for i in final["pool"]["items"]]
     assert sorted(trained + held) == list(range(final["started"]))
-    assert set(held_at_stop) <= set(trained + held)
+    assert set(held_at_kill) <= set(trained + held)
     for r in lines:
         hist = r["async/staleness_hist"]
         assert len(hist) == 3 and sum(hist) == r["async/groups"] == 2
