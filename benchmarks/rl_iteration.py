@@ -3,15 +3,18 @@
     python benchmarks/rl_iteration.py --vocab=264 --layers=4 --d_model=256 --heads=4 \
         --kv_heads=2 --ffn=768 --batch=16 --prompt_len=32 --gen_len=64 --steps=5
     python benchmarks/rl_iteration.py --lengths=lognormal --gen_len=512   # long-tailed
+    python benchmarks/rl_iteration.py --preset=tiny     # the side-by-side shapes of
+    python benchmarks/rl_iteration.py --preset=medium   # benchmarks/tunix_rl_iteration.py
 
 Each iteration: generate from the prompts (the rollout engine, or ``--sampler=static``,
 temperature 1; with ``--lengths=lognormal`` each response ends (stands for EOS) at a length
 drawn from a log-normal with median ``--median_len`` capped at ``--gen_len``: the engine gets
 it as the request's max_tokens, the static sampler decodes to the batch's longest and masks
-past each row's length),
-recompute the policy's old log-probabilities and the reference log-probabilities,
-value estimates, a rule reward (the fraction of even token ids in the response,
-which needs no sandbox), GAE, and one PPO update (policy and critic). Prints a
+past each row's length), the old log-probabilities (by default the sampler's own, token
+in and token out: ``--old_logprobs=recompute`` adds the policy's scoring pass), the
+reference log-probabilities, value estimates, a rule reward (the fraction of even token
+ids in the response, which needs no sandbox), GAE, and one PPO update (policy and
+critic). Prints a
 final JSON line with ``s_per_iter`` (median after warm-up; compile excluded and
 reported separately), ``tokens_per_s`` (prompt plus generated tokens processed
 per second) and the share of time in each phase.
