@@ -1,6 +1,6 @@
 """Asynchronous RL against the synchronous algorithm: same parts, same samples, same seed.
 
-    python benchmarks/async_rl.py            # about 5 minutes on 2 cores
+    python benchmarks/async_rl.py            # about 8 minutes on 2 cores
 
 The 8 host CPU devices are split: the rollout engine on 4, the PPO learner (GRPO with
 decoupled PPO, truncated importance weights) on the other 4, in both modes. Each step
@@ -12,6 +12,7 @@ random policy never stops by itself); every sample's reward is a sandboxed progr
 ``--timeout_s``, as broken model-written code does.
 
 Runs, in this order, each with a fresh model from the same seed:
+Each run is a fresh process (several runs in one process slowed down one after another);
 * an untimed run that fills the persistent compilation cache for the others;
 * ``sync``: generate the whole batch, then judge it, then update (``AsyncRunner`` in
   ``mode="sync"``: the synchronous algorithm with the same engine, sandbox and learner);
@@ -39,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,8 +66,8 @@ from rlpt.rl import PPOConfig, PPOTrainer, init_train_state  # noqa: E402
 from rlpt.sampling import Engine, RequestParams  # noqa: E402
 from rlpt.sandbox import ExecutionRequest, SandboxPool  # noqa: E402
 
-_STEPS = flags.DEFINE_integer("steps", 8, "Timed learner steps per run.")
-_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed first steps (compilation).")
+_STEPS = flags.DEFINE_integer("steps", 12, "Timed learner steps per run.")
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed first steps (compilation).")
 _GROUPS = flags.DEFINE_integer("groups", 4, "Groups (prompts) per learner step.")
 _GROUP_SIZE = flags.DEFINE_integer("group_size", 4, "Samples per prompt.")
 _MEDIAN_LEN = flags.DEFINE_integer("median_len", 32, "Median response length.")
@@ -75,6 +77,9 @@ _TIMEOUT_FRAC = flags.DEFINE_float("timeout_frac", 0.1, "Programs that never end
 _TIMEOUT_S = flags.DEFINE_float("timeout_s", 0.5, "Sandbox timeout.")
 _SANDBOX_WORKERS = flags.DEFINE_integer("sandbox_workers", 3, "Sandbox pool workers.")
 _ETAS = flags.DEFINE_list("etas", ["1", "2", "4"], "Staleness bounds to measure.")
+_ONLY = flags.DEFINE_string("only", None, "Internal: one run (MODE:ETA or resume) alone.")
+_OUT = flags.DEFINE_string("out", None, "Internal: where --only writes its result.")
+_CACHE = flags.DEFINE_string("cache", None, "Internal: the shared compilation cache.")
 
 PROMPT_LEN = 16
 MODEL = ModelConfig(
@@ -185,39 +190,74 @@ def timed_run(eta: int, mode: str, sandbox: SandboxPool) -> dict:
     }
 
 
+def resume_check(sandbox: SandboxPool) -> int:
+    """Prompts trained on twice, or neither trained on nor held, across a checkpoint taken
+    mid-run (through JSON) and a new runner resumed from it in the old one's place."""
+    runner, learner, consumed = build(2, "async", sandbox)
+    half = max(1, _STEPS.value // 2)
+    runner.run(half)
+    state = json.loads(json.dumps(runner.state_dict()))
+    resumed, resumed_learner, consumed_after = build(2, "async", sandbox)
+    resumed_learner.state = learner.state
+    resumed.load_state_dict(state, learner.state.policy)
+    resumed.run(half)
+    final = resumed.state_dict()
+    held = [p["key"] for p in final["inflight"]] + [i["key"] for i in final["pool"]["items"]]
+    everything = consumed + consumed_after
+    duplicated = len(everything) - len(set(everything))
+    return duplicated + len(set(range(final["started"])) - set(everything) - set(held))
+
+
+def run_one(what: str, out: str) -> None:
+    """One measurement, alone in this process (``--only``), written to ``out``."""
+    with SandboxPool(workers=_SANDBOX_WORKERS.value, timeout_s=_TIMEOUT_S.value) as sandbox:
+        if what == "resume":
+            result = {"lost_or_duplicated": resume_check(sandbox)}
+        else:
+            mode, eta = what.split(":")
+            result = timed_run(int(eta), mode, sandbox)
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+
+
 def main(argv):
     del argv
+    if _ONLY.value:
+        jax.config.update("jax_compilation_cache_dir", _CACHE.value)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        run_one(_ONLY.value, _OUT.value)
+        return
     results = {}
-    # Every run builds its own engine and learner (new jitted functions): the persistent
-    # cache lets them share one compilation, which an untimed first run fills.
-    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="rlpt-async-bench-"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    with SandboxPool(workers=_SANDBOX_WORKERS.value, timeout_s=_TIMEOUT_S.value) as sandbox:
-        timed_run(2, "async", sandbox)
-        sync = timed_run(0, "sync", sandbox)
-        eta0 = timed_run(0, "async", sandbox)
-        diffs = [
-            abs(a[k] - b[k])
-            for a, b in zip(sync["metrics"], eta0["metrics"])
-            for k in a
-            if k.startswith("ppo/")
-        ]
-        runs = {int(e): timed_run(int(e), "async", sandbox) for e in _ETAS.value}
-        # Kill and resume, in process: the checkpoint goes through JSON to a new runner.
-        runner, learner, consumed = build(2, "async", sandbox)
-        half = max(1, _STEPS.value // 2)
-        runner.run(half)
-        state = json.loads(json.dumps(runner.state_dict()))
-        resumed, resumed_learner, consumed_after = build(2, "async", sandbox)
-        resumed_learner.state = learner.state
-        resumed.load_state_dict(state, learner.state.policy)
-        resumed.run(half)
-        final = resumed.state_dict()
-        held = [p["key"] for p in final["inflight"]] + [i["key"] for i in final["pool"]["items"]]
-        everything = consumed + consumed_after
-        duplicated = len(everything) - len(set(everything))
-        missing = len(set(range(final["started"])) - set(everything) - set(held))
+    # Each run in a fresh process: runs in one process slowed down one after another (a
+    # fifth run in a row measured half the speed it had as the first), and a fresh process
+    # gives every configuration the same start. They share one compilation through the
+    # persistent cache, which an untimed first run fills.
+    cache = tempfile.mkdtemp(prefix="rlpt-async-bench-")
+
+    def measure(what: str) -> dict:
+        out = os.path.join(cache, what.replace(":", "_") + ".json")
+        flags_ = [f"--{name}={flags.FLAGS[name].value}" for name in (
+            "steps", "warmup", "groups", "group_size", "median_len", "max_len", "max_work_ms",
+            "timeout_frac", "timeout_s", "sandbox_workers")]  # fmt: skip
+        subprocess.run(
+            [sys.executable, __file__, f"--only={what}", f"--out={out}", f"--cache={cache}",
+             *flags_], check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        with open(out, encoding="utf-8") as f:
+            return json.load(f)
+
+    measure("async:2")
+    sync = measure("sync:0")
+    eta0 = measure("async:0")
+    diffs = [
+        abs(a[k] - b[k])
+        for a, b in zip(sync["metrics"], eta0["metrics"])
+        for k in a
+        if k.startswith("ppo/")
+    ]
+    runs = {int(e): measure(f"async:{int(e)}") for e in _ETAS.value}
+    lost = measure("resume")["lost_or_duplicated"]
     # The timeline simulator, calibrated on the sync run's measured phases, predicts the
     # async speedups on this machine (8 host devices on 2 cores) and at pod scale.
     timings = [
@@ -260,7 +300,7 @@ def main(argv):
         },
         "simulator_pod_speedup": pods,
         "sync_equivalence_max_abs_diff": max(diffs),
-        "lost_or_duplicated_prompts": duplicated + missing,
+        "lost_or_duplicated_prompts": lost,
         "staleness_hist": {str(e): r["staleness_hist"] for e, r in runs.items()},
         "learner_wait_s": {"sync": round(sync["learner_wait_s"], 3),
                            **{str(e): round(r["learner_wait_s"], 3) for e, r in runs.items()}},
