@@ -257,7 +257,6 @@ class AsyncPPOStage:
         return not stopped["early"]
 
     def _after_step(self, ctx, runner, metrics, t_last, total):
-        c = self.config
         traj = self._traj
         now = time.perf_counter()
         ctx.advance()
@@ -279,13 +278,9 @@ class AsyncPPOStage:
         m["time/tokens_per_s"] = float(traj.lengths.sum()) / max(now - t_last[0], 1e-9)
         t_last[0] = now
         last = ctx.stage_step == total
-        params = None
-        if last or (c.eval.every and ctx.stage_step % c.eval.every == 0):
-            params = self.learner.policy_params()
-        if last:
-            m.update(self.evaluation.full(params, step, "final", ctx.meta["eval"]))
-        elif params is not None:
-            m.update(self.evaluation.periodic(params, step))
+        m.update(self.evaluation.after_rl_step(
+            self.learner.policy_params, step, ctx.stage_step, total, ctx.meta["eval"]
+        ))  # fmt: skip
         ctx.write(m, "ppo")
         if last or ctx.checkpoint_due(step) or ctx.should_stop(last):
             ctx.meta[ASYNC_STATE] = runner.state_dict()

@@ -117,6 +117,18 @@ class RunEvaluation:
         out["time/eval_s"] = time.perf_counter() - t0
         return out
 
+    def after_rl_step(
+        self, policy_params, step: int, stage_step: int, total: int, record: MutableMapping
+    ) -> dict[str, Any]:
+        """What an RL stage's step ``stage_step`` of ``total`` evaluates: the full evaluation
+        on the last step, the periodic one every ``eval.every`` steps, else nothing.
+        ``policy_params`` is called only when an evaluation is due."""
+        if stage_step == total:
+            return self.full(policy_params(), step, "final", record)
+        if self.config.every and stage_step % self.config.every == 0:
+            return self.periodic(policy_params(), step)
+        return {}
+
     def _write_samples(self, samples, step: int, which: str) -> None:
         if not self.writes:
             return

@@ -87,7 +87,6 @@ class PPOStage:
 
     def step(self, ctx: StageContext, total: int) -> tuple[bool, dict[str, Any]]:
         """One PPO step, its metrics line and checkpoint: (was it the last, its metrics)."""
-        c = self.config
         cfg = self.learner.cfg
         t0 = time.perf_counter()
         step = ctx.step + 1
@@ -144,13 +143,9 @@ class PPOStage:
             "time/mfu": flops / step_s / self.peak_flops(),
         })  # fmt: skip
         last = ctx.stage_step == total
-        params = None
-        if last or (c.eval.every and ctx.stage_step % c.eval.every == 0):
-            params = self.learner.policy_params()
-        if last:
-            metrics.update(self.evaluation.full(params, step, "final", ctx.meta["eval"]))
-        elif params is not None:
-            metrics.update(self.evaluation.periodic(params, step))
+        metrics.update(self.evaluation.after_rl_step(
+            self.learner.policy_params, step, ctx.stage_step, total, ctx.meta["eval"]
+        ))  # fmt: skip
         ctx.write(metrics, "ppo")
         if last or ctx.checkpoint_due(step):
             ctx.save()
