@@ -335,6 +335,38 @@ class Engine:
         order = {r.id: i for i, r in enumerate(requests)}
         return sorted(done, key=lambda c: (order.get(c.request_id, -1), c.index))
 
+    def warm_up(self, *, filtered: bool = False) -> int:
+        """Compiles every program a run can call (prefill and decode at each context bucket,
+        each copy count), so that none compiles in the middle of a run, where it would stall
+        every request for seconds. Each runs once on idle rows, which write only to the trash
+        block and change nothing. ``filtered``: the top-k/top-p decode programs too. Call it
+        before submitting requests; returns the programs traced."""
+        if self.has_work():
+            raise RuntimeError("warm_up() runs before any request is submitted")
+        before = self.trace_count
+        d, r, c, slots = self.shards, self.prefill_rows, self.prefill_chunk, self.slots_per_shard
+        buckets = sorted({min(_context_bucket(n), self.max_blocks)
+                          for n in range(1, self.max_blocks + 1)})  # fmt: skip
+        for blocks in buckets:
+            rows = np.zeros((d, r, c), np.int32)
+            self._call(self._prefill_fn(blocks), rows, rows, rows.astype(bool),
+                       np.zeros((d, r, blocks), np.int32))  # fmt: skip
+            for top in sorted({False, filtered}):
+                idle = np.zeros((d, slots), np.int32)
+                params = np.zeros((d, slots, 4), np.float32)
+                params[..., 1] = params[..., 3] = 1.0
+                self._call(
+                    self._decode_fn(blocks, top), idle, idle, idle.astype(bool),
+                    np.zeros((d, slots, blocks), np.int32), idle, np.ones((d, slots), np.int32),
+                    np.full((d, slots, _MAX_STOP_IDS), -1, np.int32),
+                    np.zeros((d, slots, 2), np.uint32), params,
+                )  # fmt: skip
+        # A shard copies at most one partly filled prompt block per sample it starts.
+        for n in sorted({_bucket(k) for k in range(1, slots + 1)}):
+            trash = np.full((d, n), _TRASH_BLOCK, np.int32)
+            self._call(self._copy_fn(n), trash, trash)
+        return self.trace_count - before
+
     def blocks_in_use(self) -> int:
         return int(sum(self.num_blocks - 1 - len(free) for free in self._free_blocks))
 

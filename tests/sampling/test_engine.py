@@ -279,3 +279,27 @@ def test_the_sampler_interface_on_the_engine(model):
     facade.generate(jax.tree.map(lambda x: x * 1.0, model[1]), rows, jax.random.key(1),
                     max_new_tokens=4)  # fmt: skip
     assert facade.engine.version == 1
+
+
+def test_warm_up_compiles_everything_a_run_needs_and_changes_nothing(model):
+    """After warm_up(), long-tailed groups that share prompt blocks (copies), grow through
+    every context bucket and finish at different times trace no new program, and give the
+    same samples as an engine that compiled as it went."""
+    requests = [
+        Request(i, PROMPTS[i % len(PROMPTS)], RequestParams(max_tokens=5 + 23 * (i % 3), n=2,
+                                                            seed=i))
+        for i in range(6)
+    ]  # fmt: skip
+    cold = _engine(model, max_seq_len=80).generate(requests)
+    warm = _engine(model, max_seq_len=80)
+    assert warm.warm_up() > 0
+    traced = warm.trace_count
+    got = warm.generate(requests)
+    assert warm.trace_count == traced
+    assert [(c.request_id, c.index) for c in got] == [(c.request_id, c.index) for c in cold]
+    for a, b in zip(got, cold):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+    with pytest.raises(RuntimeError, match="before any request"):
+        warm.submit(requests[:1])
+        warm.warm_up()
