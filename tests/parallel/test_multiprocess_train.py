@@ -74,9 +74,15 @@ def test_two_processes_match_one_process_and_resume(tmp_path):
     got = [{k: v for k, v in r.items() if not k.startswith("time/")}
            for r in records if "event" not in r]  # fmt: skip
     with open(GOLDEN, encoding="utf-8") as f:
-        golden = json.load(f)["records"]
+        recording = json.load(f)
+    golden = recording["records"]
+    added = {k: v for k, v in recording.get("added_since_recording", {}).items()
+             if not k.startswith("_")}  # fmt: skip
     assert [r["step"] for r in got] == [r["step"] for r in golden]  # each step once
     for want, have in zip(golden, got):
+        for key, (low, high) in added.items():  # logged since the recording: a range
+            if key.split("/")[0] == want["stage"]:
+                assert low <= have.pop(key) <= high, f"step {want['step']} {key}"
         assert sorted(have) == sorted(want), f"step {want['step']}: keys differ"
         for key, value in want.items():
             if isinstance(value, float):
