@@ -206,7 +206,7 @@ class AsyncRunner:
         self._error: BaseException | None = None
         self._partial: dict[int, list[Completion]] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self.timeline: list[dict[str, float]] = []
+        self.decode_s = 0.0  # the actor's wall time in engine steps, all told
 
     def paused(self) -> threading.Condition:
         """``with runner.paused():`` the actor admits nothing and swaps no weights meanwhile
@@ -367,7 +367,7 @@ class AsyncRunner:
                     self.engine.submit([self._request(p) for p in admitted])
                 t0 = time.perf_counter()
                 done = self.engine.step()
-                self.timeline.append({"decode_s": time.perf_counter() - t0})
+                self.decode_s += time.perf_counter() - t0
                 for c in done:
                     self._partial.setdefault(c.request_id, []).append(c)
                     if len(self._partial[c.request_id]) == self.cfg.group_size:
