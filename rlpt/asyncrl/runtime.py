@@ -93,6 +93,15 @@ class Prompt:
     domain: int = 0
     max_tokens: int | None = None  # this prompt's generation budget (default: the run's)
 
+    def to_json(self) -> dict:
+        return {"key": self.key, "prompt": list(self.tokens), "info": self.info,
+                "domain": self.domain, "max_tokens": self.max_tokens}  # fmt: skip
+
+    @staticmethod
+    def from_json(d: dict) -> Prompt:
+        return Prompt(int(d["key"]), tuple(int(t) for t in d["prompt"]), d["info"],
+                      int(d["domain"]), d.get("max_tokens"))  # fmt: skip
+
 
 class PromptSource(Protocol):
     def next(self) -> Prompt: ...
@@ -128,7 +137,7 @@ class Group:
 
     def to_json(self) -> dict:
         return {
-            **_prompt_to_json(self.prompt),
+            **self.prompt.to_json(),
             "tokens": [t.tolist() for t in self.tokens],
             "logprobs": [x.tolist() for x in self.logprobs],
             "versions": [v.tolist() for v in self.versions], "finish": list(self.finish),
@@ -139,23 +148,13 @@ class Group:
     @staticmethod
     def from_json(d: dict) -> Group:
         return Group(
-            prompt=_prompt_from_json(d),
+            prompt=Prompt.from_json(d),
             tokens=[np.asarray(t, np.int32) for t in d["tokens"]],
             logprobs=[np.asarray(x, np.float32) for x in d["logprobs"]],
             versions=[np.asarray(v, np.int32) for v in d["versions"]],
             finish=list(d["finish"]), rewards=np.asarray(d["rewards"], np.float32),
             success=np.asarray(d["success"], np.float32), extra=d.get("extra"),
         )  # fmt: skip
-
-
-def _prompt_to_json(p: Prompt) -> dict:
-    return {"key": p.key, "prompt": list(p.tokens), "info": p.info, "domain": p.domain,
-            "max_tokens": p.max_tokens}  # fmt: skip
-
-
-def _prompt_from_json(d: dict) -> Prompt:
-    return Prompt(int(d["key"]), tuple(int(t) for t in d["prompt"]), d["info"],
-                  int(d["domain"]), d.get("max_tokens"))  # fmt: skip
 
 
 # The learner: (batch draw, learner version) -> (new actor weights, metrics).
@@ -224,8 +223,7 @@ class AsyncRunner:
                 "version": self.version,
                 "started": self.started,
                 "inflight": [
-                    _prompt_to_json(p)
-                    for p in sorted(inflight + self._requeue, key=lambda p: p.key)
+                    p.to_json() for p in sorted(inflight + self._requeue, key=lambda p: p.key)
                 ],
                 "pool": self.pool.state_dict(encode_payload=Group.to_json),
                 "prompts": self.prompts.state_dict(),
@@ -237,7 +235,7 @@ class AsyncRunner:
         self.version = int(state["version"])
         self.engine.update_weights(weights, self.version)
         self.started = int(state["started"])
-        self._requeue = [_prompt_from_json(p) for p in state["inflight"]]
+        self._requeue = [Prompt.from_json(p) for p in state["inflight"]]
         self.pool.load_state_dict(state["pool"], decode_payload=Group.from_json)
         self.prompts.load_state_dict(state["prompts"])
 

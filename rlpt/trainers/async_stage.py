@@ -63,18 +63,14 @@ class LoaderPrompts:
         return self.buffer.pop(0)
 
     def state_dict(self) -> dict:
-        from rlpt.asyncrl.runtime import _prompt_to_json
-
         return {
-            "position": self.position, "buffer": [_prompt_to_json(p) for p in self.buffer],
+            "position": self.position, "buffer": [p.to_json() for p in self.buffer],
             "loader": self.loader.get_state(),
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        from rlpt.asyncrl.runtime import _prompt_from_json
-
         self.position = int(state["position"])
-        self.buffer = [_prompt_from_json(p) for p in state["buffer"]]
+        self.buffer = [Prompt.from_json(p) for p in state["buffer"]]
         self.loader.set_state(state["loader"])
 
 
