@@ -14,6 +14,16 @@ import jax.numpy as jnp
 
 _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _ROPE_SCALING_TYPES = ("linear", "llama3")
+# "dense" materialises [T, S] scores (the reference); "blockwise" is an online-softmax over
+# key blocks in plain XLA (memory linear in length, any backend); "dot_product" is
+# jax.nn.dot_product_attention (cuDNN flash attention on GPU); "splash" is the Pallas splash
+# kernel on TPU; "auto" picks splash on TPU, dot_product on GPU, blockwise elsewhere.
+ATTENTION_KINDS = ("dense", "blockwise", "dot_product", "splash", "auto")
+# "none": every allowed key; "moba": each query reads its own block and the top-k earlier
+# key blocks chosen by q . mean(K_block) (MoBA / NSA selected blocks).
+SPARSE_ATTENTION_KINDS = ("none", "moba")
+# What a rematerialised block keeps for the backward pass (jax.checkpoint policies).
+REMAT_POLICIES = ("full", "dots", "dots_no_batch", "attention_out")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +50,21 @@ class ModelConfig:
     tie_embeddings: bool = False
     dtype: str = "float32"
     remat: bool = False
+    # Which activations a rematerialised block saves (used when ``remat`` is True).
+    remat_policy: str = "full"
+    # Tokens per chunk when log-probs, entropy and KL terms are taken over the vocabulary:
+    # 0 holds the whole [B, T, V] logits; > 0 never holds more than [B, chunk, V].
+    vocab_chunk: int = 0
+    attention: str = "dense"
+    # Query and key block length of the blockwise attention path.
+    attention_block: int = 512
+    # 0: full causal attention; W > 0: a query sees the W most recent positions (its own
+    # included) plus the first ``attention_sinks`` positions of its sequence.
+    sliding_window: int = 0
+    attention_sinks: int = 0
+    sparse_attention: str = "none"
+    sparse_block: int = 64
+    sparse_top_k: int = 4
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
@@ -62,6 +87,23 @@ class ModelConfig:
             raise ValueError(
                 f"model.dtype must be one of {sorted(_COMPUTE_DTYPES)}, got {self.dtype!r}"
             )
+        for name, value, allowed in (
+            ("attention", self.attention, ATTENTION_KINDS),
+            ("sparse_attention", self.sparse_attention, SPARSE_ATTENTION_KINDS),
+            ("remat_policy", self.remat_policy, REMAT_POLICIES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"model.{name} must be one of {allowed}, got {value!r}")
+        for name in ("vocab_chunk", "sliding_window", "attention_sinks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"model.{name} must be a non-negative integer, got {value!r}")
+        for name in ("attention_block", "sparse_block", "sparse_top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.attention_sinks and not self.sliding_window:
+            raise ValueError("model.attention_sinks needs model.sliding_window > 0")
         if self.max_seq_len <= 0:
             raise ValueError(f"model.max_seq_len must be positive, got {self.max_seq_len}")
         if self.rope_scaling is not None:
