@@ -60,9 +60,17 @@ def next_token_loss(
     chex.assert_rank(logits, 3)
     chex.assert_equal_shape([targets, weights, logits[..., 0]])
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    target_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T]
+    return _weighted_nll(target_logp, jnp.argmax(logits, axis=-1), targets, weights)
+
+
+def _weighted_nll(
+    target_logp: jax.Array, argmax: jax.Array, targets: jax.Array, weights: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``next_token_loss`` from per-token log p(target) and most likely ids [B, T]."""
+    nll = -target_logp
     count = jnp.maximum(weights.sum(), 1.0)
-    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    correct = (argmax == targets).astype(jnp.float32)
     return (nll * weights).sum() / count, {"token_accuracy": (correct * weights).sum() / count}
 
 
@@ -84,8 +92,13 @@ def sft_objective(graphdef: Any, params: Any, batch: Batch, frozen: Any = None):
         input_mask = batch["mask"][:, :-1].astype(bool)
         positions = positions_from_mask(input_mask)
     states = (params,) if frozen is None else (params, frozen)
-    logits, _ = nnx.merge(graphdef, *states)(inputs, positions, input_mask)
-    return next_token_loss(logits, tokens[:, 1:], batch["loss_mask"][:, 1:].astype(jnp.float32))
+    model = nnx.merge(graphdef, *states)
+    hidden, _ = model.trunk(inputs, positions, input_mask)  # [N, L - 1, D]
+    targets = tokens[:, 1:]
+    # The model's vocabulary head: with ``vocab_chunk`` > 0 no [N, L, V] logits are built.
+    stats = model.target_log_probs(hidden, targets, with_argmax=True)
+    weights = batch["loss_mask"][:, 1:].astype(jnp.float32)
+    return _weighted_nll(stats.log_probs, stats.argmax, targets, weights)
 
 
 def sft_trainer(

@@ -20,6 +20,7 @@ from rlpt.models.lora import (
     zero_lora,
 )
 from rlpt.models.transformer import KVCache, Transformer, positions_from_mask
+from rlpt.models.vocab import TokenStats, token_log_probs, vocab_logits
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
@@ -31,6 +32,7 @@ __all__ = [
     "ProcessRewardModel",
     "RewardModel",
     "Transformer",
+    "TokenStats",
     "ValueModel",
     "abstract_model",
     "add_lora",
@@ -44,5 +46,7 @@ __all__ = [
     "merge_lora",
     "positions_from_mask",
     "split_lora",
+    "token_log_probs",
+    "vocab_logits",
     "zero_lora",
 ]

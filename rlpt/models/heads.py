@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlpt.models.config import ModelConfig
-from rlpt.models.transformer import KVCache, Transformer, _matmul, _param
-from rlpt.parallel.sharding import constrain
+from rlpt.models.transformer import KVCache, Transformer, _param
+from rlpt.models.vocab import TokenStats, token_log_probs, vocab_logits
 
 
 class CausalLM(nnx.Module):
@@ -29,14 +29,38 @@ class CausalLM(nnx.Module):
                 std=config.d_model**-0.5,
             )  # fmt: skip
 
+    def _projection(self) -> jax.Array:
+        """The output projection: the embedding table [V, D] if tied, else [D, V]."""
+        return self.trunk.embedding[...] if self.config.tie_embeddings else self.lm_head[...]
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[B, T, D] hidden states to float32 logits [B, T, V]."""
-        dtype = self.config.compute_dtype
-        if self.config.tie_embeddings:
-            out = _matmul("btd,vd->btv", hidden, self.trunk.embedding[...], dtype)
-        else:
-            out = _matmul("btd,dv->btv", hidden, self.lm_head[...], dtype)
-        return constrain(out, ("batch", "length", "act_vocab"))
+        cfg = self.config
+        return vocab_logits(
+            hidden, self._projection(), tied=cfg.tie_embeddings, dtype=cfg.compute_dtype
+        )
+
+    def target_log_probs(
+        self,
+        hidden: jax.Array,
+        targets: jax.Array,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        with_argmax: bool = False,
+    ) -> TokenStats:
+        """log p(targets) [B, T] under ``softmax(logits(hidden) / temperature)``, and
+        optionally the entropy and the argmax [B, T] of that distribution.
+
+        ``hidden`` [B, T, D] comes from ``self.trunk``; ``targets`` [B, T] is the id each
+        position predicts. ``config.vocab_chunk`` > 0 never materialises [B, T, V] logits
+        (``rlpt.models.vocab``); 0 computes them densely.
+        """
+        cfg = self.config
+        return token_log_probs(
+            hidden, self._projection(), targets, tied=cfg.tie_embeddings,
+            dtype=cfg.compute_dtype, temperature=temperature, chunk=cfg.vocab_chunk,
+            with_entropy=with_entropy, with_argmax=with_argmax,
+        )  # fmt: skip
 
     def __call__(self, tokens, positions=None, mask=None, segment_ids=None, cache=None):
         hidden, cache = self.trunk(tokens, positions, mask, segment_ids, cache)
@@ -88,13 +112,16 @@ class _LikelihoodTerm(nnx.Module):
 
     def _token_log_probs(self, hidden: jax.Array, tokens: jax.Array) -> jax.Array:
         """log p(token t | tokens before t) [B, T]; column 0 (no context) is 0."""
-        dtype = self.config.compute_dtype
-        if self.config.tie_embeddings:
-            logits = _matmul("btd,vd->btv", hidden, self.trunk.embedding[...], dtype)
-        else:
-            logits = _matmul("btd,dv->btv", hidden, self.lm_head[...], dtype)
-        log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-        target = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
+        cfg = self.config
+        projection = self.trunk.embedding[...] if cfg.tie_embeddings else self.lm_head[...]
+        target = token_log_probs(
+            hidden[:, :-1],
+            projection,
+            tokens[:, 1:],
+            tied=cfg.tie_embeddings,
+            dtype=cfg.compute_dtype,
+            chunk=cfg.vocab_chunk,
+        ).log_probs  # [B, T - 1]
         return jnp.pad(target, ((0, 0), (1, 0)))
 
 

@@ -63,7 +63,6 @@ from rlpt.rl.losses import (
     imitation_loss,
     masked_mean,
     policy_loss,
-    token_entropy,
     value_loss,
 )
 from rlpt.rl.packing import PackedRows, UpdatePlan, pack_batch, plan_update
@@ -269,13 +268,14 @@ def response_log_probs(
     logits: jax.Array, tokens: jax.Array, prompt_len: int, temperature: float = 1.0
 ):
     """Log-probabilities [B, T] of response tokens and the response logits [B, T, V],
-    both of the distribution ``softmax(logits / temperature)``."""
-    return _tempered_log_probs(logits[:, prompt_len - 1 : -1], tokens[:, prompt_len:], temperature)
+    both of the distribution ``softmax(logits / temperature)``.
 
-
-def _tempered_log_probs(resp_logits: jax.Array, targets: jax.Array, temperature: float):
-    resp_logits = resp_logits.astype(jnp.float32) / temperature  # [B, T, V]
+    For callers that already hold full logits (a sampler's); the update and scoring go
+    through ``CausalLM.target_log_probs``, which can avoid the [B, T, V] logits.
+    """
+    resp_logits = logits[:, prompt_len - 1 : -1].astype(jnp.float32) / temperature  # [B, T, V]
     log_probs = jax.nn.log_softmax(resp_logits, axis=-1)
+    targets = tokens[:, prompt_len:]  # [B, T]
     return jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0], resp_logits
 
 
@@ -287,17 +287,29 @@ def _gather_packed(per_position: jax.Array, packed: PackedRows) -> jax.Array:
 
 def _policy_logp(
     policy_graph, params, batch: RolloutBatch, frozen=None, temperature=1.0,
-    packed: PackedRows | None = None,
+    packed: PackedRows | None = None, with_entropy: bool = False,
 ):  # fmt: skip
+    """Response log-probabilities [b, T] of ``softmax(logits / temperature)``, and their
+    entropy [b, T] when ``with_entropy`` (else None).
+
+    The trunk's hidden states are taken to the response layout first and projected to the
+    vocabulary afterwards (``CausalLM.target_log_probs``), so with ``vocab_chunk`` > 0 no
+    [b, T, V] logits exist, here or in the backward pass.
+    """
     # `frozen`: parameters outside the trained state (a LoRA policy's shared base).
     states = (params,) if frozen is None else (params, frozen)
     model = nnx.merge(policy_graph, *states)
-    if packed is None:
-        logits, _ = model(batch.tokens, batch.positions, batch.input_mask)
-        return response_log_probs(logits, batch.tokens, batch.prompt_len, temperature)
-    logits, _ = model(packed.tokens, packed.positions, packed.input_mask, packed.segment_ids)
     targets = batch.tokens[:, batch.prompt_len :]  # [b, T]
-    return _tempered_log_probs(_gather_packed(logits, packed), targets, temperature)
+    if packed is None:
+        hidden, _ = model.trunk(batch.tokens, batch.positions, batch.input_mask)  # [b, L, D]
+        resp_hidden = hidden[:, batch.prompt_len - 1 : -1]  # [b, T, D]
+    else:
+        hidden, _ = model.trunk(
+            packed.tokens, packed.positions, packed.input_mask, packed.segment_ids
+        )  # [N, L, D]
+        resp_hidden = _gather_packed(hidden, packed)  # [b, T, D]
+    stats = model.target_log_probs(resp_hidden, targets, temperature, with_entropy=with_entropy)
+    return stats.log_probs, stats.entropy
 
 
 def _values(value_graph, params, batch: RolloutBatch, packed: PackedRows | None = None):
@@ -406,9 +418,10 @@ def _microbatch_loss(
 ):  # fmt: skip
     policy_params, value_params = params
     mask = mb.response_mask
-    logp, resp_logits = _policy_logp(
-        policy_graph, policy_params, mb, frozen, cfg.sampling_temperature, packed
-    )
+    logp, entropy_tokens = _policy_logp(
+        policy_graph, policy_params, mb, frozen, cfg.sampling_temperature, packed,
+        with_entropy=True,
+    )  # fmt: skip
     token_weights, is_diag = None, {}
     if cfg.behaviour_correction != "none":
         token_weights, is_diag = behaviour_weights(
@@ -419,7 +432,6 @@ def _microbatch_loss(
         dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, seq_weights=mb.loss_weight,
         token_weights=token_weights,
     )  # fmt: skip
-    entropy_tokens = token_entropy(resp_logits)
     entropy = masked_mean(entropy_tokens, mask)
     kl_tokens = kl_estimate(logp, mb.ref_logp, kind=cfg.kl_kind)
     # The bonus is aggregated like the policy loss, so weights and microbatching treat it alike.
