@@ -63,3 +63,21 @@ def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
         state, metrics = trainer.step(state, batch)
     assert float(trainer.evaluate(state.params, batch)["loss"]) < before - 1.0
     assert int(state.step) == 20
+
+
+def test_chunked_vocabulary_gives_the_same_loss_accuracy_and_gradients():
+    rows = [sft.encode_example(TOK, f"{i}*3=", f"<answer>{3 * i}", 24) for i in range(4)]
+    batch = {"tokens": np.stack([r[0] for r in rows]), "loss_mask": np.stack([r[1] for r in rows])}
+
+    def objective(vocab_chunk):
+        cfg = get_preset("tiny", vocab_chunk=vocab_chunk)
+        graph, params = create_model(lambda rngs: CausalLM(cfg, rngs=rngs), jax.random.key(0))
+        fn = jax.value_and_grad(lambda p: sft.sft_objective(graph, p, batch), has_aux=True)
+        return jax.jit(fn)(params)
+
+    (dense_loss, dense_metrics), dense_grads = objective(0)
+    (loss, metrics), grads = objective(5)  # 23 targets a row: four chunks and a ragged one
+    np.testing.assert_allclose(loss, dense_loss, rtol=1e-6)
+    assert float(metrics["token_accuracy"]) == float(dense_metrics["token_accuracy"])
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(dense_grads)):
+        assert float(jax.numpy.abs(a - b).max()) <= 1e-5

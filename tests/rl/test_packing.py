@@ -12,7 +12,7 @@ from rlpt.models import CausalLM, ValueModel, create_model, get_preset
 from rlpt.parallel import make_mesh
 from rlpt.rl import PPOConfig, PPOTrainer, init_train_state, new_rollout_batch
 from rlpt.rl.packing import first_fit_decreasing, pack_batch, pack_unit, plan_update
-from rlpt.rl.ppo import epoch_permutations
+from rlpt.rl.ppo import _policy_logp, epoch_permutations
 
 CFG = get_preset("tiny")
 B, P, T = 16, 9, 7
@@ -177,3 +177,30 @@ def test_packed_update_on_a_mesh_matches_one_device(devices):
         np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-4, atol=1e-6)
     moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), single[0].policy, sharded[0].policy)
     assert max(jax.tree.leaves(moved)) < 1e-5
+
+
+def test_packed_rows_with_a_chunked_vocabulary_match_padded_rows():
+    """Packed hidden states are gathered to the response layout before the chunked head:
+    log-probs, entropy and their gradients equal the padded dense computation."""
+    batch = _batch(3)
+    packed = pack_batch(batch)
+
+    def stats(vocab_chunk, rows):
+        model_cfg = CFG.replace(vocab_chunk=vocab_chunk)
+        graph, params = create_model(lambda r: CausalLM(model_cfg, rngs=r), jax.random.key(0))
+
+        def loss(p):
+            logp, entropy = _policy_logp(graph, p, batch, temperature=1.3, packed=rows,
+                                         with_entropy=True)  # fmt: skip
+            mask = batch.response_mask
+            return jnp.sum(logp * mask) + jnp.sum(entropy * mask), (logp * mask, entropy * mask)
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (_, (dense_logp, dense_entropy)), dense_grads = stats(0, None)
+    (_, (logp, entropy)), grads = stats(4, packed)
+    np.testing.assert_allclose(logp, dense_logp, atol=2e-5)
+    np.testing.assert_allclose(entropy, dense_entropy, atol=2e-5)
+    scale = max(float(jnp.abs(x).max()) for x in jax.tree.leaves(dense_grads))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(dense_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * scale)

@@ -11,7 +11,7 @@ import pytest
 from rlpt.models import CausalLM, ValueModel, create_model, get_preset
 from rlpt.parallel import make_mesh
 from rlpt.rl import PPOConfig, PPOTrainer, init_train_state, new_rollout_batch
-from rlpt.rl.ppo import accumulated_gradients, response_log_probs
+from rlpt.rl.ppo import accumulated_gradients, response_log_probs, score_rollout
 from rlpt.sampling import Sampler, SamplingParams
 
 CFG = get_preset("tiny")
@@ -479,3 +479,39 @@ def test_truncated_weights_shrink_the_policy_gradient_of_stale_tokens():
 def test_behaviour_settings_are_checked(fields, message):
     with pytest.raises(ValueError, match=message):
         PPOConfig(**fields)
+
+
+def test_chunked_vocabulary_scores_and_updates_like_the_dense_head(single_device_run):
+    """vocab_chunk only changes how the vocabulary statistics are computed: scoring, the
+    losses (entropy bonus and KL in the loss included) and the gradients stay the same."""
+    _, _, scored = single_device_run
+    scored = scored.replace(imitation_weight=jnp.asarray(np.arange(B) % 3 == 0, jnp.float32))
+    cfg = dataclasses.replace(
+        BASE, ent_coef=0.1, kl_placement="loss", imitation_coef=0.5, grad_accum=2,
+        sampling_temperature=0.8,
+    )  # fmt: skip
+    value_graph, value = create_model(lambda r: ValueModel(CFG, rngs=r), jax.random.key(1))
+
+    def run(vocab_chunk):
+        # 3 tokens a chunk: the 7 response tokens make two full chunks and a ragged one.
+        model_cfg = get_preset("tiny", vocab_chunk=vocab_chunk)
+        graph, policy = create_model(lambda r: CausalLM(model_cfg, rngs=r), jax.random.key(0))
+        _, ref = create_model(lambda r: CausalLM(model_cfg, rngs=r), jax.random.key(9))
+        rescored = jax.jit(
+            lambda p, r, v, b: score_rollout(graph, value_graph, p, r, v, b, temperature=0.8)
+        )(policy, ref, value, scored)
+        grads_fn = lambda p, b: accumulated_gradients(cfg, graph, value_graph, p, 0.1, b)
+        return rescored, jax.jit(grads_fn)((policy, value), scored)
+
+    dense_scored, (dense_grads, dense_metrics) = run(0)
+    chunked_scored, (chunked_grads, chunked_metrics) = run(3)
+    for name in ("old_logp", "ref_logp", "values"):
+        np.testing.assert_allclose(
+            getattr(chunked_scored, name), getattr(dense_scored, name), atol=1e-5
+        )
+    for key, value in dense_metrics.items():
+        np.testing.assert_allclose(chunked_metrics[key], value, atol=1e-5, rtol=1e-5)
+    assert float(dense_metrics["entropy"]) > 1.0
+    scale = max(float(jnp.abs(x).max()) for x in jax.tree.leaves(dense_grads))
+    for a, b in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(dense_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5 * scale)
