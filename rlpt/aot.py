@@ -57,8 +57,12 @@ def compile_ppo_step(
     remat: bool = False,
     critic: bool = True,
     ppo=None,
+    model_overrides: dict | None = None,
 ) -> dict:
-    """Compile the PPO update for ``mesh_shape`` on the current devices; memory per device."""
+    """Compile the PPO update for ``mesh_shape`` on the current devices; memory per device.
+
+    ``model_overrides``: model config fields to change (attention kind, ``vocab_chunk`` ...).
+    """
     import jax
     import jax.numpy as jnp
 
@@ -67,7 +71,9 @@ def compile_ppo_step(
     from rlpt.rl import PPOConfig, PPOTrainer, RolloutBatch, check_batch_layout
     from rlpt.rl.ppo import init_train_state
 
-    config = get_preset(preset, remat=remat, max_seq_len=max(prompt_len + gen_len, 1))
+    config = get_preset(
+        preset, remat=remat, max_seq_len=max(prompt_len + gen_len, 1), **(model_overrides or {})
+    )
     mesh = make_mesh(*mesh_shape)
     if ppo is None:
         ppo = PPOConfig(
@@ -122,6 +128,7 @@ def compile_ppo_step(
             temp_gib_per_device=round(memory.temp_size_in_bytes / gib, 4),
             output_gib_per_device=round(memory.output_size_in_bytes / gib, 4),
             total_gib_per_device=round(per_device / gib, 4),
+            total_bytes_per_device=int(per_device),
         )
     return report
 
