@@ -13,9 +13,11 @@ pure functions of the state inside jit (see ``rlpt.models.init``).
 Attention works on "slots": with no cache the slot of a token is its index in
 the row; with a KV cache it is its index in the cache. A query attends to a
 key when the key is valid (not padding), its slot is not later than the
-query's, and (optionally) both have the same segment id. Positions (for the
-rotary embedding) are passed separately, so left-padded, right-padded and
-unpadded rows give the same results for their real tokens.
+query's, (optionally) both have the same segment id, and (with a sliding
+window) the key is among the window's most recent positions or is a sink.
+Positions (for the rotary embedding) are passed separately, so left-padded,
+right-padded and unpadded rows give the same results for their real tokens.
+The kernels and the mask description live in ``rlpt.models.attention``.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.ad_checkpoint import checkpoint_name
 
+from rlpt.models import attention as attn_lib
+from rlpt.models.attention import MaskInfo
 from rlpt.models.config import ModelConfig
 from rlpt.parallel.sharding import constrain
-
-_MASKED = -1e30  # finite, so a fully masked (padding) query row gives no NaN
 
 
 def _param(rngs: nnx.Rngs, shape, names, *, std: float | None = None, value=None) -> nnx.Param:
@@ -112,13 +115,16 @@ class KVCache:
 
     ``k[i]``, ``v[i]``: [B, S, kv_heads, head_dim] in the compute dtype;
     ``valid``: [B, S], which slots hold real tokens; ``index``: the next slot to
-    write (every row writes in lockstep; padding is marked invalid).
+    write (every row writes in lockstep; padding is marked invalid); ``positions``:
+    [B, S], the rotary position of each slot's token (for sliding windows and MoBA
+    blocks in decoding).
     """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     valid: jax.Array
     index: jax.Array
+    positions: jax.Array | None = None
 
     @classmethod
     def create(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
@@ -133,6 +139,7 @@ class KVCache:
             v=zeros,
             valid=jnp.zeros((batch, length), bool),
             index=jnp.zeros((), jnp.int32),
+            positions=jnp.zeros((batch, length), jnp.int32),
         )
 
     @property
@@ -220,8 +227,10 @@ class Attention(nnx.Module):
             self.bk = _param(rngs, (k, h), ("kv_heads", "head_dim"), value=jnp.zeros((k, h)))
             self.bv = _param(rngs, (k, h), ("kv_heads", "head_dim"), value=jnp.zeros((k, h)))
 
-    def __call__(self, x, positions, allowed, layer_cache):
-        """x [B, T, D]; allowed [B, T, S]; layer_cache None or (k, v, index) with [B, S, K, H]."""
+    def __call__(self, x, positions, mask, layer_cache, kernel: str = "dense"):
+        """x [B, T, D]; ``mask`` a ``MaskInfo`` or the materialised allowed [B, T, S];
+        layer_cache None or (k, v, index) with [B, S, K, H]; ``kernel`` one of "dense",
+        "blockwise", "dot_product", "splash", "moba" (see ``rlpt.models.attention``)."""
         cfg = self.config
         dtype = cfg.compute_dtype
         q = _project(self, "wq", "btd,dnh->btnh", x, dtype)
@@ -248,15 +257,26 @@ class Attention(nnx.Module):
             new_layer_cache = None
         b, t, n, h = q.shape
         groups = n // cfg.n_kv_heads
-        q = q.reshape(b, t, cfg.n_kv_heads, groups, h) * (h**-0.5)
-        scores = jnp.einsum(
-            "btkgh,bskh->bkgts", q.astype(dtype), k, preferred_element_type=jnp.float32
-        )
-        scores = jnp.where(allowed[:, None, None, :, :], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(dtype), v,
-                         preferred_element_type=jnp.float32)  # fmt: skip
-        out = out.reshape(b, t, n, h)
+        q = (q.reshape(b, t, cfg.n_kv_heads, groups, h) * (h**-0.5)).astype(dtype)
+        if kernel == "moba":
+            allowed = attn_lib.moba_select(
+                q, k, mask, block=cfg.sparse_block, top_k=cfg.sparse_top_k,
+                max_len=cfg.max_seq_len,
+            )  # fmt: skip
+            out = attn_lib.dense_attention(q, k, v, allowed)
+        elif kernel == "blockwise":
+            block = cfg.attention_block
+            out = attn_lib.blockwise_attention(q, k, v, mask, block_q=block, block_k=block)
+        elif kernel == "splash":
+            out = attn_lib.splash(q, k, v, mask, block=cfg.attention_block)
+        else:
+            allowed = attn_lib.visible(mask) if isinstance(mask, MaskInfo) else mask
+            if kernel == "dot_product":
+                out = attn_lib.dot_product(q, k, v, allowed)
+            else:
+                out = attn_lib.dense_attention(q, k, v, allowed)
+        # Named so the "attention_out" remat policy can keep it and recompute the rest.
+        out = checkpoint_name(out.reshape(b, t, n, h), "attention_out")
         return _project(self, "wo", "btnh,nhd->btd", out, dtype), new_layer_cache
 
 
@@ -287,8 +307,10 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.rms_eps, rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, positions, allowed, layer_cache):
-        attn_out, new_layer_cache = self.attn(self.attn_norm(x), positions, allowed, layer_cache)
+    def __call__(self, x, positions, mask, layer_cache, kernel: str = "dense"):
+        attn_out, new_layer_cache = self.attn(
+            self.attn_norm(x), positions, mask, layer_cache, kernel
+        )
         x = x + attn_out
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, ("batch", "length", "act_embed")), new_layer_cache
@@ -299,31 +321,60 @@ def attention_mask(
     segment_ids: jax.Array | None = None,
     cache: KVCache | PagedCache | None = None,
     positions: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
-    """Which keys each query may see: [B, T, S]; and the cache's updated validity [B, S]."""
+    *,
+    window: int = 0,
+    sinks: int = 0,
+) -> tuple[MaskInfo, jax.Array | None, jax.Array | None]:
+    """Which keys each query may see, as a ``MaskInfo`` (``attn_lib.visible`` materialises
+    it as [B, T, S]); and the KV cache's updated validity and positions [B, S]."""
     t = mask.shape[1]
+    if positions is None:
+        positions = positions_from_mask(mask)
+    if segment_ids is not None and cache is not None:
+        raise ValueError("segment_ids are for packed training batches, not cached decoding")
     if isinstance(cache, PagedCache):
         # Context positions are in order, every one up to the query's own written: causal
         # by position is the whole rule. Padding queries see position 0 and are ignored.
-        key_positions = jnp.arange(cache.context)
-        allowed = key_positions[None, None, :] <= jnp.where(mask, positions, 0)[:, :, None]
-        return allowed, None
+        key_positions = jnp.arange(cache.context, dtype=jnp.int32)
+        b = mask.shape[0]
+        info = MaskInfo(
+            q_slots=jnp.where(mask, positions, 0),
+            k_slots=key_positions,
+            q_positions=positions,
+            k_positions=jnp.broadcast_to(key_positions, (b, cache.context)),
+            k_valid=jnp.ones((b, cache.context), bool),
+            window=window,
+            sinks=sinks,
+        )
+        return info, None, None
     if cache is None:
-        key_valid = mask
-        query_slots = jnp.arange(t)
-        key_slots = jnp.arange(t)
-        new_valid = None
-    else:
-        key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))
-        query_slots = cache.index + jnp.arange(t)
-        key_slots = jnp.arange(cache.length)
-        new_valid = key_valid
-    allowed = key_valid[:, None, :] & (key_slots[None, None, :] <= query_slots[None, :, None])
-    if segment_ids is not None:
-        if cache is not None:
-            raise ValueError("segment_ids are for packed training batches, not cached decoding")
-        allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
-    return allowed, new_valid
+        info = attn_lib.self_attention_info(
+            positions, mask, segment_ids, window=window, sinks=sinks
+        )
+        return info, None, None
+    key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))
+    old = cache.positions if cache.positions is not None else jnp.zeros(cache.valid.shape, int)
+    key_positions = jax.lax.dynamic_update_slice(
+        old.astype(jnp.int32), positions.astype(jnp.int32), (0, cache.index)
+    )
+    info = MaskInfo(
+        q_slots=cache.index + jnp.arange(t),
+        k_slots=jnp.arange(cache.length),
+        q_positions=positions,
+        k_positions=key_positions,
+        k_valid=key_valid,
+        window=window,
+        sinks=sinks,
+    )
+    return info, key_valid, key_positions
+
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
+}
 
 
 class Transformer(nnx.Module):
@@ -354,7 +405,20 @@ class Transformer(nnx.Module):
             positions = positions_from_mask(mask)
         if isinstance(cache, PagedCache) and segment_ids is not None:
             raise ValueError("segment_ids are for packed training batches, not paged decoding")
-        allowed, new_valid = attention_mask(mask, segment_ids, cache, positions)
+        cfg = self.config
+        info, new_valid, new_positions = attention_mask(
+            mask, segment_ids, cache, positions,
+            window=cfg.sliding_window, sinks=cfg.attention_sinks,
+        )  # fmt: skip
+        if cfg.sparse_attention == "moba":
+            kernel, attn_mask = "moba", info
+        elif cache is None:
+            kernel = attn_lib.resolve_kind(cfg.attention)
+            # The dense and dot_product kernels share one materialised mask across layers.
+            attn_mask = attn_lib.visible(info) if kernel in ("dense", "dot_product") else info
+        else:
+            # Decoding reads T (usually 1) queries against the cache: a materialised mask.
+            kernel, attn_mask = "dense", attn_lib.visible(info)
         x = jnp.take(self.embedding[...], tokens, axis=0)
         x = constrain(x, ("batch", "length", "act_embed"))
         new_k, new_v, new_rows_k, new_rows_v = [], [], [], []
@@ -363,12 +427,12 @@ class Transformer(nnx.Module):
                 layer_cache = cache.layer(i)
             else:
                 layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
-            if self.config.remat:
-                x, updated = nnx.remat(lambda blk, *a: blk(*a))(
-                    block, x, positions, allowed, layer_cache
-                )
+            if cfg.remat:
+                x, updated = nnx.remat(
+                    lambda blk, *a: blk(*a, kernel), policy=_REMAT_POLICIES[cfg.remat_policy]
+                )(block, x, positions, attn_mask, layer_cache)
             else:
-                x, updated = block(x, positions, allowed, layer_cache)
+                x, updated = block(x, positions, attn_mask, layer_cache, kernel)
             if updated is not None:
                 new_k.append(updated[0])
                 new_v.append(updated[1])
@@ -383,7 +447,7 @@ class Transformer(nnx.Module):
         elif cache is not None:
             cache = KVCache(
                 k=tuple(new_k), v=tuple(new_v), valid=new_valid,
-                index=cache.index + tokens.shape[1],
+                index=cache.index + tokens.shape[1], positions=new_positions,
             )  # fmt: skip
         return x, cache
 

@@ -1,0 +1,548 @@
+"""Attention kernels: dense, blockwise (online softmax), dot_product, splash; MoBA selection.
+
+All kernels share one visibility rule, described by a ``MaskInfo`` (per-token arrays, never a
+``[T, S]`` mask) so each kernel builds only the block of mask it needs. Key ``j`` is visible
+to query ``i`` when
+
+* the key is valid (not padding),
+* both carry the same segment id (packed rows; when segment ids are given),
+* the key's slot is not later than the query's (causal by slot: with no cache the slot is the
+  index in the row, with a KV cache the index in the cache),
+* with a sliding window ``W > 0``: ``pos_i - pos_j < W`` or ``pos_j < sinks``. Positions
+  restart at 0 in every packed segment, so the sinks are the first tokens of each sequence
+  (StreamingLLM, Xiao et al. 2023).
+
+Shapes: ``B`` batch, ``T`` queries, ``S`` keys, ``K`` key/value heads, ``G`` query heads per
+key/value head (grouped-query attention), ``H`` head dim. Queries enter pre-scaled by
+``H ** -0.5``; scores, running maxima and sums are float32.
+
+The blockwise kernel is the FlashAttention algorithm (Dao et al. 2022; Rabe & Staats 2021
+for the memory-linear formulation) written with ``lax`` loops in plain XLA, so it runs on
+every backend: a hand-written ``custom_vjp`` recomputes each block in the backward pass, so
+neither pass holds more than one ``[block_q, block_k]`` tile of scores. No library offers
+this for CPU: ``jax.nn.dot_product_attention``'s XLA path materialises the scores, cuDNN and
+Pallas kernels are GPU/TPU only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+_MASKED = -1e30  # the dense path's fill: finite, so a fully masked row gives no NaN
+
+
+@struct.dataclass
+class MaskInfo:
+    """Which keys each query sees, as per-token arrays (see the module docstring).
+
+    ``q_slots`` [T] and ``k_slots`` [S] are shared by the batch and ascending (the blockwise
+    kernel skips key blocks whose first slot is after a query block's last; the materialised
+    mask also takes per-row slots [B, T] / [B, S], as the paged cache needs);
+    ``q_positions`` [B, T], ``k_positions`` [B, S] are rotary positions; ``k_valid`` [B, S];
+    ``q_segments`` [B, T] / ``k_segments`` [B, S] are None or both given.
+    """
+
+    q_slots: jax.Array
+    k_slots: jax.Array
+    q_positions: jax.Array
+    k_positions: jax.Array
+    k_valid: jax.Array
+    q_segments: jax.Array | None = None
+    k_segments: jax.Array | None = None
+    window: int = struct.field(pytree_node=False, default=0)
+    sinks: int = struct.field(pytree_node=False, default=0)
+
+    def slice_q(self, start, size: int) -> MaskInfo:
+        """The rows of queries ``start .. start + size`` (``start`` may be traced)."""
+        seg = self.q_segments
+        return self.replace(
+            q_slots=jax.lax.dynamic_slice_in_dim(self.q_slots, start, size, 0),
+            q_positions=jax.lax.dynamic_slice_in_dim(self.q_positions, start, size, 1),
+            q_segments=None if seg is None else jax.lax.dynamic_slice_in_dim(seg, start, size, 1),
+        )
+
+    def slice_k(self, start, size: int) -> MaskInfo:
+        """The columns of keys ``start .. start + size`` (``start`` may be traced)."""
+        seg = self.k_segments
+        return self.replace(
+            k_slots=jax.lax.dynamic_slice_in_dim(self.k_slots, start, size, 0),
+            k_positions=jax.lax.dynamic_slice_in_dim(self.k_positions, start, size, 1),
+            k_valid=jax.lax.dynamic_slice_in_dim(self.k_valid, start, size, 1),
+            k_segments=None if seg is None else jax.lax.dynamic_slice_in_dim(seg, start, size, 1),
+        )
+
+
+def self_attention_info(
+    positions: jax.Array,
+    valid: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    window: int = 0,
+    sinks: int = 0,
+) -> MaskInfo:
+    """The ``MaskInfo`` of a training row attending to itself (no cache): slots are indices."""
+    slots = jnp.arange(positions.shape[1], dtype=jnp.int32)
+    return MaskInfo(
+        q_slots=slots,
+        k_slots=slots,
+        q_positions=positions,
+        k_positions=positions,
+        k_valid=valid.astype(bool),
+        q_segments=segment_ids,
+        k_segments=segment_ids,
+        window=window,
+        sinks=sinks,
+    )
+
+
+def visible(info: MaskInfo) -> jax.Array:
+    """The materialised mask [B, T, S] of ``info`` (for small blocks, or the dense path)."""
+    q_slots = info.q_slots if info.q_slots.ndim == 2 else info.q_slots[None]
+    k_slots = info.k_slots if info.k_slots.ndim == 2 else info.k_slots[None]
+    allowed = info.k_valid[:, None, :] & (k_slots[:, None, :] <= q_slots[:, :, None])
+    if info.q_segments is not None:
+        allowed &= info.q_segments[:, :, None] == info.k_segments[:, None, :]
+    if info.window > 0:
+        distance = info.q_positions[:, :, None] - info.k_positions[:, None, :]
+        in_window = distance < info.window
+        if info.sinks > 0:
+            in_window |= info.k_positions[:, None, :] < info.sinks
+        allowed &= in_window
+    return allowed
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Softmax attention over materialised scores (the reference path).
+
+    q [B, T, K, G, H] (pre-scaled, compute dtype); k, v [B, S, K, H]; allowed [B, T, S] or,
+    per head, [B, K, G, T, S]. Returns [B, T, K, G, H] float32. A query with no visible key
+    averages all values (its scores are all equal), as it always has.
+    """
+    dtype = k.dtype
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    if allowed.ndim == 3:
+        allowed = allowed[:, None, None, :, :]
+    scores = jnp.where(allowed, scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum(
+        "bkgts,bskh->btkgh", probs.astype(dtype), v, preferred_element_type=jnp.float32
+    )
+
+
+# ----------------------------------------------------------------------------- blockwise
+
+
+def _pad_to(x: jax.Array, axis: int, size: int, mode: str = "constant", value=0) -> jax.Array:
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    if mode == "edge":
+        return jnp.pad(x, widths, mode="edge")
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_info(info: MaskInfo, tp: int, sp: int) -> MaskInfo:
+    """``info`` padded to ``tp`` queries and ``sp`` keys; padded keys are invalid."""
+    seg_q, seg_k = info.q_segments, info.k_segments
+    big = jnp.iinfo(jnp.int32).max
+    return info.replace(
+        # Padded queries repeat the last slot so they widen no causal range.
+        q_slots=_pad_to(info.q_slots, 0, tp, "edge"),
+        q_positions=_pad_to(info.q_positions, 1, tp, "edge"),
+        q_segments=None if seg_q is None else _pad_to(seg_q, 1, tp, "edge"),
+        k_slots=_pad_to(info.k_slots, 0, sp, value=big),
+        k_positions=_pad_to(info.k_positions, 1, sp),
+        k_valid=_pad_to(info.k_valid, 1, sp, value=False),
+        k_segments=None if seg_k is None else _pad_to(seg_k, 1, sp),
+    )
+
+
+def _key_block_counts(info: MaskInfo, bq: int, bk: int, nq: int, nk: int) -> jax.Array:
+    """[nq]: how many leading key blocks can be causally visible to each query block."""
+    first_k = info.k_slots.reshape(nk, bk)[:, 0]
+    last_q = info.q_slots.reshape(nq, bq).max(axis=1)
+    return jnp.sum(first_k[None, :] <= last_q[:, None], axis=1)
+
+
+def _scores(q, k, qi, kj, bq: int, bk: int) -> jax.Array:
+    """Scores [B, K, G, bq, bk] (float32) of one tile."""
+    qb = jax.lax.dynamic_slice_in_dim(q, qi * bq, bq, 1)
+    kb = jax.lax.dynamic_slice_in_dim(k, kj * bk, bk, 1)
+    return jnp.einsum("bqkgh,bskh->bkgqs", qb, kb, preferred_element_type=jnp.float32)
+
+
+def _forward_blocks(q, k, v, info: MaskInfo, bq: int, bk: int):
+    """Padded inputs -> (acc [B, K, G, Tp, H], max [B, K, G, Tp], sum [B, K, G, Tp])."""
+    b, tp, kh, g, h = q.shape
+    sp = k.shape[1]
+    nq, nk = tp // bq, sp // bk
+    counts = _key_block_counts(info, bq, bk, nq, nk)
+
+    def query_block(qi):
+        def key_block(kj, carry):
+            def update(carry):
+                acc, m, denom = carry
+                scores = _scores(q, k, qi, kj, bq, bk)
+                scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+                m_new = jnp.maximum(m, scores.max(axis=-1))
+                # Rows with nothing visible yet keep max -inf; shift them by 0 instead.
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(scores - m_safe[..., None])
+                alpha = jnp.exp(m - m_safe)
+                vb = jax.lax.dynamic_slice_in_dim(v, kj * bk, bk, 1)
+                pv = jnp.einsum(
+                    "bkgqs,bskh->bkgqh", p.astype(v.dtype), vb,
+                    preferred_element_type=jnp.float32,
+                )  # fmt: skip
+                return acc * alpha[..., None] + pv, m_new, denom * alpha + p.sum(axis=-1)
+
+            # Key blocks outside the window, or of other segments, cost one mask tile only.
+            mask = visible(info.slice_q(qi * bq, bq).slice_k(kj * bk, bk))
+            return jax.lax.cond(mask.any(), update, lambda c: c, carry)
+
+        init = (
+            jnp.zeros((b, kh, g, bq, h), jnp.float32),
+            jnp.full((b, kh, g, bq), -jnp.inf, jnp.float32),
+            jnp.zeros((b, kh, g, bq), jnp.float32),
+        )
+        return jax.lax.fori_loop(0, counts[qi], key_block, init)
+
+    acc, m, denom = jax.lax.map(query_block, jnp.arange(nq))  # each [nq, B, K, G, bq, ...]
+    acc = jnp.moveaxis(acc, 0, 3).reshape(b, kh, g, tp, h)
+    m = jnp.moveaxis(m, 0, 3).reshape(b, kh, g, tp)
+    denom = jnp.moveaxis(denom, 0, 3).reshape(b, kh, g, tp)
+    return acc, m, denom
+
+
+def _backward_blocks(q, k, v, info: MaskInfo, out, lse, d_out, bq: int, bk: int):
+    """Padded inputs and the normalised ``out`` [B, Tp, K, G, H], ``lse`` [B, K, G, Tp] and
+    ``d_out`` -> (dq, dk, dv) in float32 (FlashAttention-2's backward, per tile)."""
+    b, tp, kh, g, h = q.shape
+    sp = k.shape[1]
+    nq, nk = tp // bq, sp // bk
+    counts = _key_block_counts(info, bq, bk, nq, nk)
+    # D_i = sum_h dO_i O_i: the softmax Jacobian's row term.
+    delta = jnp.einsum("bqkgh,bqkgh->bkgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+    def query_block(qi, carry):
+        dq, dk, dv = carry
+        qb = jax.lax.dynamic_slice_in_dim(q, qi * bq, bq, 1)
+        dob = jax.lax.dynamic_slice_in_dim(d_out, qi * bq, bq, 1).astype(v.dtype)
+        lse_b = jax.lax.dynamic_slice_in_dim(lse, qi * bq, bq, 3)
+        delta_b = jax.lax.dynamic_slice_in_dim(delta, qi * bq, bq, 3)
+
+        def key_block(kj, carry):
+            def update(carry):
+                dq_b, dk, dv = carry
+                scores = _scores(q, k, qi, kj, bq, bk)
+                p = jnp.where(mask[:, None, None], jnp.exp(scores - lse_b[..., None]), 0.0)
+                kb = jax.lax.dynamic_slice_in_dim(k, kj * bk, bk, 1)
+                vb = jax.lax.dynamic_slice_in_dim(v, kj * bk, bk, 1)
+                dv_b = jnp.einsum(
+                    "bkgqs,bqkgh->bskh", p.astype(v.dtype), dob,
+                    preferred_element_type=jnp.float32,
+                )  # fmt: skip
+                dp = jnp.einsum("bqkgh,bskh->bkgqs", dob, vb, preferred_element_type=jnp.float32)
+                ds = (p * (dp - delta_b[..., None])).astype(q.dtype)
+                dq_b = dq_b + jnp.einsum(
+                    "bkgqs,bskh->bqkgh", ds, kb, preferred_element_type=jnp.float32
+                )
+                dk_b = jnp.einsum("bkgqs,bqkgh->bskh", ds, qb, preferred_element_type=jnp.float32)
+                start = kj * bk
+                dk = jax.lax.dynamic_update_slice_in_dim(
+                    dk, jax.lax.dynamic_slice_in_dim(dk, start, bk, 1) + dk_b, start, 1
+                )
+                dv = jax.lax.dynamic_update_slice_in_dim(
+                    dv, jax.lax.dynamic_slice_in_dim(dv, start, bk, 1) + dv_b, start, 1
+                )
+                return dq_b, dk, dv
+
+            mask = visible(info.slice_q(qi * bq, bq).slice_k(kj * bk, bk))
+            return jax.lax.cond(mask.any(), update, lambda c: c, carry)
+
+        dq_b = jnp.zeros((b, bq, kh, g, h), jnp.float32)
+        dq_b, dk, dv = jax.lax.fori_loop(0, counts[qi], key_block, (dq_b, dk, dv))
+        dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_b, qi * bq, 1)
+        return dq, dk, dv
+
+    zeros_k = jnp.zeros(k.shape, jnp.float32)
+    init = (jnp.zeros(q.shape, jnp.float32), zeros_k, zeros_k)
+    return jax.lax.fori_loop(0, nq, query_block, init)
+
+
+def _padded(q, k, v, info: MaskInfo, block_q: int, block_k: int):
+    t, s = q.shape[1], k.shape[1]
+    bq, bk = min(block_q, t), min(block_k, s)
+    tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
+    q = _pad_to(q, 1, tp)
+    k, v = _pad_to(k, 1, sp), _pad_to(v, 1, sp)
+    return q, k, v, _pad_info(info, tp, sp), bq, bk
+
+
+def blockwise_partial(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    info: MaskInfo,
+    *,
+    block_q: int = 512,
+    block_k: int = 512,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Un-normalised attention of queries over one set of keys (one K/V shard of a ring).
+
+    q [B, T, K, G, H] (pre-scaled); k, v [B, S, K, H]; ``info`` the mask between them with
+    the keys' global slots (ascending). Returns float32 ``(acc [B, T, K, G, H],
+    max [B, K, G, T], sum [B, K, G, T])`` with ``acc = sum_j exp(s_j - max) v_j`` and
+    ``sum = sum_j exp(s_j - max)`` over visible keys (max = -inf, acc = sum = 0 for a query
+    that sees none). Shards combine with ``combine_partials``; the output is ``acc / sum``
+    and the log-sum-exp ``max + log(sum)`` is what ``blockwise_partial_grads`` needs.
+    Not differentiable by itself: the backward of a sharded attention calls
+    ``blockwise_partial_grads`` per shard with the combined output and log-sum-exp.
+    """
+    t = q.shape[1]
+    q, k, v, info, bq, bk = _padded(q, k, v, info, block_q, block_k)
+    acc, m, denom = _forward_blocks(q, k, v, info, bq, bk)
+    acc = jnp.moveaxis(acc, 3, 1)[:, :t]
+    return acc, m[..., :t], denom[..., :t]
+
+
+def combine_partials(
+    parts: list[tuple[jax.Array, jax.Array, jax.Array]],
+) -> tuple[jax.Array, jax.Array]:
+    """Merge ``blockwise_partial`` results over disjoint key sets into the normalised output
+    [B, T, K, G, H] (float32; 0 where no key is visible) and the log-sum-exp [B, K, G, T]."""
+    m = functools.reduce(jnp.maximum, [p[1] for p in parts])
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    acc = 0.0
+    total = 0.0
+    for a, mi, li in parts:
+        scale = jnp.exp(mi - m_safe)
+        acc = acc + a * jnp.moveaxis(scale, 3, 1)[..., None]
+        total = total + li * scale
+    out = acc / jnp.moveaxis(jnp.where(total > 0, total, 1.0), 3, 1)[..., None]
+    lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    return out, lse
+
+
+def blockwise_partial_grads(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    info: MaskInfo,
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    *,
+    block_q: int = 512,
+    block_k: int = 512,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradients (dq [B, T, K, G, H], dk, dv [B, S, K, H], float32) of the attention output
+    with respect to one K/V shard's contribution, given the output ``out`` [B, T, K, G, H]
+    and log-sum-exp ``lse`` [B, K, G, T] combined over all shards and the cotangent
+    ``d_out``; summing ``dq`` over shards gives the full query gradient."""
+    t, s = q.shape[1], k.shape[1]
+    q, k, v, info, bq, bk = _padded(q, k, v, info, block_q, block_k)
+    tp = q.shape[1]
+    out, d_out = _pad_to(out, 1, tp), _pad_to(d_out, 1, tp)
+    lse = _pad_to(lse, 3, tp)
+    dq, dk, dv = _backward_blocks(q, k, v, info, out, lse, d_out, bq, bk)
+    return dq[:, :t], dk[:, :s], dv[:, :s]
+
+
+def _zero_cotangent(x):
+    if x is None:
+        return None
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _blockwise(q, k, v, info, block_q, block_k):
+    return _blockwise_fwd(q, k, v, info, block_q, block_k)[0]
+
+
+def _blockwise_fwd(q, k, v, info, block_q, block_k):
+    acc, m, denom = blockwise_partial(q, k, v, info, block_q=block_q, block_k=block_k)
+    out, lse = combine_partials([(acc, m, denom)])
+    return out, (q, k, v, info, out, lse)
+
+
+def _blockwise_bwd(block_q, block_k, residuals, d_out):
+    q, k, v, info, out, lse = residuals
+    dq, dk, dv = blockwise_partial_grads(
+        q, k, v, info, out, lse, d_out, block_q=block_q, block_k=block_k
+    )
+    info_ct = jax.tree.map(_zero_cotangent, info)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), info_ct
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def blockwise_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    info: MaskInfo,
+    *,
+    block_q: int = 512,
+    block_k: int = 512,
+) -> jax.Array:
+    """Memory-linear softmax attention: q [B, T, K, G, H] (pre-scaled), k, v [B, S, K, H]
+    -> [B, T, K, G, H] float32 (0 for a query that sees no key).
+
+    Loops over query blocks and, within each, over the key blocks that can be causally
+    visible (a key block whose first slot is after the query block's last is never visited;
+    one whose mask tile is empty, e.g. before a sliding window, is skipped after building
+    the tile). Differentiable: the backward recomputes every tile (custom VJP).
+    """
+    return _blockwise(q, k, v, info, block_q, block_k)
+
+
+# ----------------------------------------------------------------------------- library kernels
+
+
+def dot_product(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """``jax.nn.dot_product_attention`` (implementation chosen by JAX) -> [B, T, K, G, H].
+
+    The mask goes in as an explicit [B, 1, T, S] boolean: padding, segments, slot causality
+    and the window with sinks are more than ``is_causal`` and ``local_window_size`` express.
+    """
+    b, t, kh, g, h = q.shape
+    out = jax.nn.dot_product_attention(
+        q.reshape(b, t, kh * g, h), k, v, mask=allowed[:, None], scale=1.0
+    )
+    return out.reshape(b, t, kh, g, h).astype(jnp.float32)
+
+
+def splash(q: jax.Array, k: jax.Array, v: jax.Array, info: MaskInfo, *, block: int) -> jax.Array:
+    """The Pallas TPU splash-attention kernel -> [B, T, K, G, H] float32 (TPU only).
+
+    The kernel's masks are static: causal by slot, a local window by slot (so positions must
+    run with slots inside a sequence, as in left-padded and packed rows), and segment ids
+    for padding and packing (padding is segment 0 when none are given). Attention sinks
+    depend on per-row positions and are not supported.
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as masks,
+    )
+
+    if info.sinks:
+        raise ValueError("model.attention='splash' does not support model.attention_sinks")
+    b, t, kh, g, h = q.shape
+    s = k.shape[1]
+    n = kh * g
+    if info.window:
+        head_mask = masks.LocalMask((t, s), window_size=(info.window - 1, 0), offset=0)
+    else:
+        head_mask = masks.CausalMask((t, s))
+    multi = masks.MultiHeadMask([head_mask] * n)
+    blk = min(block, t, s)
+    sizes = kernel.BlockSizes(
+        block_q=blk, block_kv=blk, block_kv_compute=blk,
+        block_q_dkv=blk, block_kv_dkv=blk, block_kv_dkv_compute=blk,
+        block_q_dq=blk, block_kv_dq=blk,
+    )  # fmt: skip
+    attend = kernel.make_splash_mha(multi, head_shards=1, q_seq_shards=1, block_sizes=sizes)
+    if info.q_segments is not None:
+        q_seg, k_seg = info.q_segments, info.k_segments
+    else:
+        q_seg = jnp.ones((b, t), jnp.int32)
+        k_seg = info.k_valid.astype(jnp.int32)
+    qh = jnp.moveaxis(q.reshape(b, t, n, h), 1, 2)  # [B, N, T, H]
+    kv_index = np.arange(n) // g
+    kh_ = jnp.moveaxis(k, 1, 2)[:, kv_index]
+    vh_ = jnp.moveaxis(v, 1, 2)[:, kv_index]
+
+    def one(qr, kr, vr, qs, ks):
+        return attend(qr, kr, vr, segment_ids=kernel.SegmentIds(q=qs, kv=ks))
+
+    out = jax.vmap(one)(qh, kh_, vh_, q_seg.astype(jnp.int32), k_seg.astype(jnp.int32))
+    return jnp.moveaxis(out, 2, 1).reshape(b, t, kh, g, h).astype(jnp.float32)
+
+
+def resolve_kind(kind: str, backend: str | None = None) -> str:
+    """The kernel ``kind`` names on ``backend`` (default: JAX's): "auto" is splash on TPU,
+    dot_product on GPU, blockwise elsewhere; "splash" off TPU is an error naming the field."""
+    backend = backend or jax.default_backend()
+    if kind == "auto":
+        return {"tpu": "splash", "gpu": "dot_product"}.get(backend, "blockwise")
+    if kind == "splash" and backend != "tpu":
+        raise ValueError(
+            f"model.attention='splash' needs a TPU (the Pallas splash kernel); this backend is "
+            f"{backend!r}: use 'blockwise', 'dot_product' or 'auto'"
+        )
+    return kind
+
+
+# ----------------------------------------------------------------------------- MoBA
+
+
+def moba_select(
+    q: jax.Array,
+    k: jax.Array,
+    info: MaskInfo,
+    *,
+    block: int,
+    top_k: int,
+    max_len: int,
+) -> jax.Array:
+    """MoBA's per-head block mask [B, K, G, T, S] (Lu et al. 2025, arXiv 2502.13189).
+
+    Key blocks are ``block`` consecutive positions of one sequence (position // block, so
+    blocks restart with every packed segment and match between training and decoding). Each
+    query head keeps its own block and the ``top_k`` earlier blocks with the largest
+    ``q . mean(k over the block's valid keys of the query's segment)``; the rest is masked.
+    The selection is not differentiable (it is a mask); gradients flow through the attention
+    over the selected blocks. Materialises [T, S] scores (a reference implementation).
+    """
+    n_blocks = -(-max_len // block)
+    q_block = info.q_positions // block  # [B, T]
+    k_block = info.k_positions // block  # [B, S]
+    same = info.k_valid[:, None, :] & (k_block[:, None, :] < q_block[:, :, None])
+    if info.q_segments is not None:
+        same &= info.q_segments[:, :, None] == info.k_segments[:, None, :]
+    onehot = jax.nn.one_hot(k_block, n_blocks, dtype=jnp.float32)  # [B, S, nb]
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jax.lax.stop_gradient(scores)
+    # q . mean(K) = mean(q . k): block sums of the scores, divided by the block's key count.
+    sums = jnp.einsum("bkgts,bsc->bkgtc", jnp.where(same[:, None, None], scores, 0.0), onehot)
+    counts = jnp.einsum("bts,bsc->btc", same.astype(jnp.float32), onehot)[:, None, None]
+    gate = jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), -jnp.inf)
+    top = min(top_k, n_blocks)
+    values, index = jax.lax.top_k(gate, top)
+    chosen = jnp.einsum(
+        "bkgtic,bsc->bkgts",
+        jax.nn.one_hot(index, n_blocks) * jnp.isfinite(values)[..., None],
+        onehot,
+    )
+    own = k_block[:, None, :] == q_block[:, :, None]
+    return visible(info)[:, None, None] & ((chosen > 0) | own[:, None, None])
+
+
+__all__ = [
+    "MaskInfo",
+    "blockwise_attention",
+    "blockwise_partial",
+    "blockwise_partial_grads",
+    "combine_partials",
+    "dense_attention",
+    "dot_product",
+    "moba_select",
+    "resolve_kind",
+    "self_attention_info",
+    "splash",
+    "visible",
+]
