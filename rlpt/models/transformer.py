@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx, struct
 
 from rlpt.models.config import ModelConfig
-from rlpt.parallel.sharding import constrain
+from rlpt.parallel.context import ContextMask
+from rlpt.parallel.sharding import constrain, context_parallelism
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives no NaN
 
@@ -246,6 +247,9 @@ class Attention(nnx.Module):
             new_layer_cache = (k, v)
         else:
             new_layer_cache = None
+        if isinstance(allowed, ContextMask):
+            out = allowed.attend(q, k, v)
+            return _project(self, "wo", "btnh,nhd->btd", out, dtype), new_layer_cache
         b, t, n, h = q.shape
         groups = n // cfg.n_kv_heads
         q = q.reshape(b, t, cfg.n_kv_heads, groups, h) * (h**-0.5)
@@ -355,6 +359,9 @@ class Transformer(nnx.Module):
         if isinstance(cache, PagedCache) and segment_ids is not None:
             raise ValueError("segment_ids are for packed training batches, not paged decoding")
         allowed, new_valid = attention_mask(mask, segment_ids, cache, positions)
+        if cache is None and context_parallelism(tokens.shape[1]) is not None:
+            # Rows split over devices: attention builds its mask shard by shard.
+            allowed = ContextMask(mask, segment_ids)
         x = jnp.take(self.embedding[...], tokens, axis=0)
         x = constrain(x, ("batch", "length", "act_embed"))
         new_k, new_v, new_rows_k, new_rows_v = [], [], [], []

@@ -10,9 +10,11 @@ from rlpt.parallel import logical_to_spec, make_mesh, resolve_mesh_shape
 
 
 def test_resolve_mesh_shape_fills_the_rest():
-    assert resolve_mesh_shape(8, -1, 2, 2) == (2, 2, 2)
-    assert resolve_mesh_shape(8, 2, -1, 1) == (2, 4, 1)
-    assert resolve_mesh_shape(8, 8, 1, 1) == (8, 1, 1)
+    assert resolve_mesh_shape(8, -1, 2, 2) == (2, 2, 2, 1)
+    assert resolve_mesh_shape(8, 2, -1, 1) == (2, 4, 1, 1)
+    assert resolve_mesh_shape(8, 8, 1, 1) == (8, 1, 1, 1)
+    assert resolve_mesh_shape(8, 2, 1, 1, -1) == (2, 1, 1, 4)
+    assert resolve_mesh_shape(8, -1, 1, 1, 4) == (2, 1, 1, 4)
 
 
 @pytest.mark.parametrize(
@@ -22,6 +24,8 @@ def test_resolve_mesh_shape_fills_the_rest():
         ((2, 2, 1), "use 4 devices but 8"),
         ((-1, -1, 1), "at most one"),
         ((0, 1, 1), "mesh.data"),
+        ((2, 1, 1, 0), "mesh.sequence"),
+        ((-1, 1, 1, 3), "do not divide"),
     ],
 )
 def test_impossible_meshes_are_refused(sizes, match):
