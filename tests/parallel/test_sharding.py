@@ -37,8 +37,14 @@ def test_logical_to_spec_skips_axes_that_do_not_divide(devices):
     mesh = make_mesh(2, 2, 2)
     assert logical_to_spec(("embed", "mlp"), (64, 128), mesh) == P("fsdp", "tensor")
     assert logical_to_spec(("embed", "mlp"), (63, 128), mesh) == P(None, "tensor")
-    assert logical_to_spec(("batch", "length"), (8, 5), mesh) == P(("data", "fsdp"), None)
-    assert logical_to_spec(("batch", "length"), (2, 5), mesh) == P("data", None)
+    # `length` goes to the `sequence` axis, here of size 1: it divides every length.
+    assert logical_to_spec(("batch", "length"), (8, 5), mesh) == P(("data", "fsdp"), "sequence")
+    assert logical_to_spec(("batch", "length"), (2, 5), mesh) == P("data", "sequence")
+    long_rows = make_mesh(data=2, sequence=4)
+    assert logical_to_spec(("batch", "length"), (8, 12), long_rows) == P(
+        ("data", "fsdp"), "sequence"
+    )
+    assert logical_to_spec(("batch", "length"), (8, 10), long_rows) == P(("data", "fsdp"), None)
 
 
 def test_parameters_are_split_as_the_rules_say(devices):
