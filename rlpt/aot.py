@@ -36,6 +36,7 @@ _DEVICES = flags.DEFINE_integer("devices", 8, "Fake devices to compile for.")
 _DATA = flags.DEFINE_integer("data", -1, "Mesh data axis (-1: the rest).")
 _FSDP = flags.DEFINE_integer("fsdp", 1, "Mesh fsdp axis.")
 _TENSOR = flags.DEFINE_integer("tensor", 1, "Mesh tensor axis.")
+_SEQUENCE = flags.DEFINE_integer("sequence", 1, "Mesh sequence (context-parallel) axis.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Global sequences per PPO update.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "Prompt tokens.")
 _GEN_LEN = flags.DEFINE_integer("gen_len", 16, "Response tokens.")
@@ -48,7 +49,7 @@ _CRITIC = flags.DEFINE_bool("critic", True, "Compile with a value model (GAE).")
 def compile_ppo_step(
     preset: str,
     *,
-    mesh_shape: tuple[int, int, int],
+    mesh_shape: tuple[int, ...],
     batch: int,
     prompt_len: int,
     gen_len: int,
@@ -59,7 +60,8 @@ def compile_ppo_step(
     ppo=None,
     model_overrides: dict | None = None,
 ) -> dict:
-    """Compile the PPO update for ``mesh_shape`` on the current devices; memory per device.
+    """Compile the PPO update for ``mesh_shape`` (data, fsdp, tensor[, sequence]) on the current
+    devices; memory per device.
 
     ``model_overrides``: model config fields to change (attention kind, ``vocab_chunk`` ...).
     """
@@ -112,7 +114,7 @@ def compile_ppo_step(
     gib = 1024**3
     report = {
         "preset": preset,
-        "mesh": dict(zip(("data", "fsdp", "tensor"), mesh.devices.shape)),
+        "mesh": dict(mesh.shape),
         "devices": mesh.devices.size,
         "params": count_params(policy) + (count_params(value) if critic else 0),
         "batch": batch,
@@ -147,7 +149,9 @@ def main(argv):
     if _CONFIG.value is not None:
         print(json.dumps(_compile_config(_CONFIG.value)))
         return
-    shape = resolve_mesh_shape(_DEVICES.value, _DATA.value, _FSDP.value, _TENSOR.value)
+    shape = resolve_mesh_shape(
+        _DEVICES.value, _DATA.value, _FSDP.value, _TENSOR.value, _SEQUENCE.value
+    )
     report = compile_ppo_step(
         _PRESET.value, mesh_shape=shape, batch=_BATCH.value, prompt_len=_PROMPT_LEN.value,
         gen_len=_GEN_LEN.value, num_minibatches=_MINIBATCHES.value,
@@ -166,8 +170,14 @@ def _compile_config(config) -> dict:
         if typed.model.hf_path:
             raise ConfigError("rlpt.aot --config compiles a preset model; model.hf_path is set")
         mesh = typed.mesh
-        sizes = {name: getattr(mesh, name) for name in ("data", "fsdp", "tensor")}
-        for name, flag in (("data", _DATA), ("fsdp", _FSDP), ("tensor", _TENSOR)):
+        sizes = {name: getattr(mesh, name) for name in ("data", "fsdp", "tensor", "sequence")}
+        axis_flags = (
+            ("data", _DATA),
+            ("fsdp", _FSDP),
+            ("tensor", _TENSOR),
+            ("sequence", _SEQUENCE),
+        )
+        for name, flag in axis_flags:
             if flags.FLAGS[flag.name].present:
                 sizes[name] = flag.value
         shape = resolve_mesh_shape(_DEVICES.value, **sizes)

@@ -529,26 +529,33 @@ class AsyncSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
-    """Device mesh sizes (``rlpt.parallel.make_mesh``); one of them may be -1: the rest."""
+    """Device mesh sizes (``rlpt.parallel.make_mesh``); one of them may be -1: the rest.
+
+    ``sequence`` > 1 splits each row's tokens over that many devices (context parallelism:
+    ``rlpt.parallel.context``) for the passes without a KV cache (scoring and the update)."""
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    sequence: int = 1
 
     def __post_init__(self):
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes = {
+            "data": self.data, "fsdp": self.fsdp, "tensor": self.tensor,
+            "sequence": self.sequence,
+        }  # fmt: skip
         for name, size in sizes.items():
             _check(size == -1 or size >= 1, f"mesh.{name}", "a positive integer or -1", size)
         free = [f"mesh.{name}" for name, size in sizes.items() if size == -1]
         if len(free) > 1:
             raise ConfigError(f"at most one mesh axis may be -1, got {' and '.join(free)}")
 
-    def shape(self, num_devices: int) -> tuple[int, int, int]:
-        """(data, fsdp, tensor) on ``num_devices``; ConfigError if they do not fit."""
+    def shape(self, num_devices: int) -> tuple[int, int, int, int]:
+        """(data, fsdp, tensor, sequence) on ``num_devices``; ConfigError if they do not fit."""
         from rlpt.parallel.mesh import resolve_mesh_shape
 
         try:
-            return resolve_mesh_shape(num_devices, self.data, self.fsdp, self.tensor)
+            return resolve_mesh_shape(num_devices, self.data, self.fsdp, self.tensor, self.sequence)
         except ValueError as e:
             raise ConfigError(_with_path("mesh", e)) from None
 

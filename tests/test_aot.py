@@ -15,7 +15,10 @@ def test_compiles_for_a_mesh_and_reports_memory_per_device():
     out = _aot("--preset=tiny", "--devices=4", "--data=1", "--fsdp=2", "--tensor=2", "--batch=4")
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2} and report["devices"] == 4
+    assert (
+        report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "sequence": 1}
+        and report["devices"] == 4
+    )
     assert 0 < report["total_gib_per_device"] < 0.1
 
 
@@ -32,7 +35,10 @@ def test_an_experiment_config_compiles_its_own_ppo_step():
     out = _aot("--config=experiments/demo.py:runlocal", "--devices=4", "--data=2", "--fsdp=2")
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1} and report["preset"] == "tiny"
+    assert (
+        report["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1, "sequence": 1}
+        and report["preset"] == "tiny"
+    )
     assert report["batch"] == 8 and report["seq"] == 64 + 16  # widest bucket + max_new_tokens
     out = _aot("--config=experiments/demo.py:runlocal", "--config.ppo.clip_low=-1")
     assert out.returncode != 0 and "ppo.clip_low must be in (0, 1), got -1" in out.stderr

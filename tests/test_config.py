@@ -96,7 +96,11 @@ def test_the_demo_parses_to_its_documented_values():
     assert (demo.ppo.estimator, demo.ppo.learning_rate, demo.ppo.clip_high) == ("grpo", 4e-4, 0.28)
     assert (demo.ppo_steps, demo.ppo.epochs, demo.ppo.num_minibatches) == (420, 2, 2)
     assert (demo.eval.every, demo.checkpoint.every, demo.sandbox.workers) == (40, 40, 2)
-    assert demo.mesh.data == -1 and (demo.mesh.fsdp, demo.mesh.tensor) == (1, 1)
+    assert demo.mesh.data == -1 and (demo.mesh.fsdp, demo.mesh.tensor, demo.mesh.sequence) == (
+        1,
+        1,
+        1,
+    )
     assert demo.sandbox.backend == "local" and demo.sandbox.allow_unisolated is False
     smoke = parse_config(_experiment("demo.py", "runlocal"))
     assert smoke.model.preset == "tiny" and smoke.rollout.batch_size == 8
@@ -260,6 +264,8 @@ BAD_POST_TRAIN = [
     ({"sandbox__backend": "slurm"}, "sandbox.backend must be one of ('local', 'ray'), got 'slurm'"),
     ({"mesh__fsdp": -1}, "at most one mesh axis may be -1, got mesh.data and mesh.fsdp"),
     ({"mesh__tensor": 0}, "mesh.tensor must be a positive integer or -1, got 0"),
+    ({"mesh__sequence": 0}, "mesh.sequence must be a positive integer or -1, got 0"),
+    ({"mesh__sequence": -1}, "at most one mesh axis may be -1, got mesh.data and mesh.sequence"),
     ({"reward_model__refresh_every": -1}, "reward_model.refresh_every must be >= 0, got -1"),
     ({"rollout__filter_max_rounds": 0}, "rollout.filter_max_rounds must be >= 1, got 0"),
     ({"sft__jsonl": "/nonexistent/sft.jsonl"}, "sft.jsonl '/nonexistent/sft.jsonl' is not a file"),
@@ -313,9 +319,13 @@ def test_a_bad_gym_value_fails_with_one_line_naming_its_path(overrides, message)
 
 def test_mesh_sizes_are_checked_against_the_device_count():
     mesh = parse_config(_experiment("demo.py", mesh__fsdp=2, mesh__tensor=2)).mesh
-    assert mesh.shape(8) == (2, 2, 2)
+    assert mesh.shape(8) == (2, 2, 2, 1)
     with pytest.raises(ConfigError, match=r"^mesh: .*do not divide the 6 available devices"):
         mesh.shape(6)
+    mesh = parse_config(_experiment("demo.py", mesh__data=2, mesh__sequence=4)).mesh
+    assert mesh.shape(8) == (2, 1, 1, 4)
+    with pytest.raises(ConfigError, match=r"^mesh: .*'sequence': 4.* use 8 devices but 4"):
+        mesh.shape(4)
 
 
 def test_sections_are_frozen():

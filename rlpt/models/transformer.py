@@ -33,7 +33,8 @@ from jax.ad_checkpoint import checkpoint_name
 from rlpt.models import attention as attn_lib
 from rlpt.models.attention import MaskInfo
 from rlpt.models.config import ModelConfig
-from rlpt.parallel.sharding import constrain
+from rlpt.parallel.context import ContextMask
+from rlpt.parallel.sharding import constrain, context_parallelism
 
 
 def _param(rngs: nnx.Rngs, shape, names, *, std: float | None = None, value=None) -> nnx.Param:
@@ -255,6 +256,9 @@ class Attention(nnx.Module):
             new_layer_cache = (k, v)
         else:
             new_layer_cache = None
+        if isinstance(mask, ContextMask):
+            out = mask.attend(q, k, v)
+            return _project(self, "wo", "btnh,nhd->btd", out, dtype), new_layer_cache
         b, t, n, h = q.shape
         groups = n // cfg.n_kv_heads
         q = (q.reshape(b, t, cfg.n_kv_heads, groups, h) * (h**-0.5)).astype(dtype)
@@ -419,6 +423,11 @@ class Transformer(nnx.Module):
         else:
             # Decoding reads T (usually 1) queries against the cache: a materialised mask.
             kernel, attn_mask = "dense", attn_lib.visible(info)
+        if cache is None and kernel != "moba" and context_parallelism(tokens.shape[1]):
+            # Rows split over devices: attention builds its mask shard by shard.
+            attn_mask = ContextMask(
+                mask, segment_ids, positions, cfg.sliding_window, cfg.attention_sinks
+            )
         x = jnp.take(self.embedding[...], tokens, axis=0)
         x = constrain(x, ("batch", "length", "act_embed"))
         new_k, new_v, new_rows_k, new_rows_v = [], [], [], []

@@ -22,7 +22,8 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 DEFAULT_RULES: Rules = (
     # Activations.
     ("batch", ("data", "fsdp")),
-    ("length", None),
+    # Long rows split over `sequence` (context parallelism: rlpt.parallel.context).
+    ("length", "sequence"),
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),
@@ -144,19 +145,34 @@ def data_parallel_size(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
     return size
 
 
-_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+# How attention meets a row split along its length: "ring" or "allgather"
+# (rlpt.parallel.context.STRATEGIES).
+DEFAULT_CONTEXT_STRATEGY = "ring"
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules, str] | None] = contextvars.ContextVar(
     "rlpt_activation_sharding", default=None
 )
 
 
 @contextlib.contextmanager
-def activation_sharding(mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
+def activation_sharding(
+    mesh: Mesh | None,
+    rules: Rules = DEFAULT_RULES,
+    *,
+    context_strategy: str = DEFAULT_CONTEXT_STRATEGY,
+) -> Iterator[None]:
     """Within this context, ``constrain`` pins activations to the mesh.
 
     Enter it inside the function being traced so the constraint becomes part
     of that function's compiled program (jit caches do not see this context).
+    ``context_strategy`` is how attention runs when the rules split ``length``
+    over mesh axes (see ``context_parallelism``).
     """
-    token = _ACTIVE.set(None if mesh is None else (mesh, rules))
+    from rlpt.parallel.context import STRATEGIES
+
+    if context_strategy not in STRATEGIES:
+        raise ValueError(f"context_strategy must be one of {STRATEGIES}, got {context_strategy!r}")
+    token = _ACTIVE.set(None if mesh is None else (mesh, rules, context_strategy))
     try:
         yield
     finally:
@@ -168,6 +184,23 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     active = _ACTIVE.get()
     if active is None:
         return x
-    mesh, rules = active
+    mesh, rules, _ = active
     spec = logical_to_spec(names, x.shape, mesh, rules)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def context_parallelism(length: int) -> tuple[Mesh, Rules, str | tuple[str, ...], str] | None:
+    """(mesh, rules, mesh axes, strategy) when the active context splits rows of ``length``
+    tokens over mesh axes (the ``length`` rule, where its axes divide the length); else None.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return None
+    mesh, rules, strategy = active
+    axes = logical_to_spec(("length",), (length,), mesh, rules)[0]
+    if axes is None:
+        return None
+    sizes = [mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]
+    if all(size == 1 for size in sizes):
+        return None
+    return mesh, rules, axes, strategy

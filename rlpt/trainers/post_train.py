@@ -135,7 +135,9 @@ class PostTrainRun:
         self._peak: float | None = None
         # One mesh for every role: sampling, scoring and the update are sharded by the
         # logical-axis rules over it.
-        self.mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+        self.mesh = make_mesh(
+            config.mesh.data, config.mesh.fsdp, config.mesh.tensor, config.mesh.sequence
+        )
         buckets = tuple(config.rollout.buckets)
         self.sampler = make_sampler(
             config.rollout.sampler, self.policy_graph, self.model_cfg,

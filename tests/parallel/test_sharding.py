@@ -10,9 +10,11 @@ from rlpt.parallel import logical_to_spec, make_mesh, resolve_mesh_shape
 
 
 def test_resolve_mesh_shape_fills_the_rest():
-    assert resolve_mesh_shape(8, -1, 2, 2) == (2, 2, 2)
-    assert resolve_mesh_shape(8, 2, -1, 1) == (2, 4, 1)
-    assert resolve_mesh_shape(8, 8, 1, 1) == (8, 1, 1)
+    assert resolve_mesh_shape(8, -1, 2, 2) == (2, 2, 2, 1)
+    assert resolve_mesh_shape(8, 2, -1, 1) == (2, 4, 1, 1)
+    assert resolve_mesh_shape(8, 8, 1, 1) == (8, 1, 1, 1)
+    assert resolve_mesh_shape(8, 2, 1, 1, -1) == (2, 1, 1, 4)
+    assert resolve_mesh_shape(8, -1, 1, 1, 4) == (2, 1, 1, 4)
 
 
 @pytest.mark.parametrize(
@@ -22,6 +24,8 @@ def test_resolve_mesh_shape_fills_the_rest():
         ((2, 2, 1), "use 4 devices but 8"),
         ((-1, -1, 1), "at most one"),
         ((0, 1, 1), "mesh.data"),
+        ((2, 1, 1, 0), "mesh.sequence"),
+        ((-1, 1, 1, 3), "do not divide"),
     ],
 )
 def test_impossible_meshes_are_refused(sizes, match):
@@ -33,8 +37,14 @@ def test_logical_to_spec_skips_axes_that_do_not_divide(devices):
     mesh = make_mesh(2, 2, 2)
     assert logical_to_spec(("embed", "mlp"), (64, 128), mesh) == P("fsdp", "tensor")
     assert logical_to_spec(("embed", "mlp"), (63, 128), mesh) == P(None, "tensor")
-    assert logical_to_spec(("batch", "length"), (8, 5), mesh) == P(("data", "fsdp"), None)
-    assert logical_to_spec(("batch", "length"), (2, 5), mesh) == P("data", None)
+    # `length` goes to the `sequence` axis, here of size 1: it divides every length.
+    assert logical_to_spec(("batch", "length"), (8, 5), mesh) == P(("data", "fsdp"), "sequence")
+    assert logical_to_spec(("batch", "length"), (2, 5), mesh) == P("data", "sequence")
+    long_rows = make_mesh(data=2, sequence=4)
+    assert logical_to_spec(("batch", "length"), (8, 12), long_rows) == P(
+        ("data", "fsdp"), "sequence"
+    )
+    assert logical_to_spec(("batch", "length"), (8, 10), long_rows) == P(("data", "fsdp"), None)
 
 
 def test_parameters_are_split_as_the_rules_say(devices):
