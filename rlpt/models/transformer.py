@@ -22,6 +22,7 @@ The kernels and the mask description live in ``rlpt.models.attention``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -431,7 +432,9 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embedding[...], tokens, axis=0)
         x = constrain(x, ("batch", "length", "act_embed"))
         new_k, new_v, new_rows_k, new_rows_v = [], [], [], []
-        for i, block in enumerate(self.blocks):
+        if cfg.remat and cache is None:
+            x = self._scan_rematerialised(x, positions, attn_mask, kernel)
+        for i, block in enumerate(() if cfg.remat and cache is None else self.blocks):
             if isinstance(cache, PagedCache):
                 layer_cache = cache.layer(i)
             else:
@@ -459,6 +462,32 @@ class Transformer(nnx.Module):
                 index=cache.index + tokens.shape[1], positions=new_positions,
             )  # fmt: skip
         return x, cache
+
+    def _scan_rematerialised(self, x, positions, attn_mask, kernel: str) -> jax.Array:
+        """The blocks as a scan over layers, each rematerialised under the config's policy.
+
+        The backward pass is then a reverse scan that recomputes one block at a time and
+        keeps only the blocks' inputs [L, B, T, D]. An unrolled loop of rematerialised
+        blocks leaves the scheduler free to run every recomputation early, and XLA's CPU
+        scheduler did: the update's memory stayed that of no remat (2.8 against 3.1 GiB at
+        8k tokens, small preset). The per-layer parameters are stacked for the scan (one
+        transient copy of the blocks' weights); storage stays one module per block.
+        """
+        graphdef, _ = nnx.split(self.blocks[0])
+        stacked = jax.tree.map(
+            lambda *leaves: jnp.stack(leaves), *[nnx.state(block) for block in self.blocks]
+        )
+        policy = _REMAT_POLICIES[self.config.remat_policy]
+
+        # prevent_cse=False is safe inside a scan body (the scan already keeps the
+        # recomputation apart from the forward pass).
+        @functools.partial(jax.checkpoint, policy=policy, prevent_cse=False)
+        def one_block(h, layer_state):
+            out, _ = nnx.merge(graphdef, layer_state)(h, positions, attn_mask, None, kernel)
+            return out, None
+
+        x, _ = jax.lax.scan(one_block, x, stacked)
+        return x
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:

@@ -165,6 +165,30 @@ def test_remat_changes_neither_outputs_nor_gradients():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_remat_keeps_only_each_blocks_input_for_the_backward_pass():
+    # Eight blocks at 256 tokens: without remat the backward pass keeps every block's
+    # activations (the MLP's [T, ffn] arrays, the attention's [T, S] scores); with remat it
+    # keeps each block's input [T, D] and recomputes one block at a time.
+    length, layers = 256, 8
+    base = TINY.replace(n_layers=layers, max_seq_len=length, ffn_dim=256)
+    tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
+
+    def temp_bytes(cfg):
+        graphdef, state = abstract_model(lambda r: CausalLM(cfg, rngs=r))
+
+        def loss(s, t):
+            hidden, _ = nnx.merge(graphdef, s).trunk(t)
+            return jnp.sum(hidden**2)
+
+        compiled = jax.jit(jax.grad(loss)).lower(state, tokens).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    plain, remat = temp_bytes(base), temp_bytes(base.replace(remat=True))
+    one_block = 4 * length * (base.ffn_dim * 3 + base.n_heads * length)  # one block's big arrays
+    assert plain > layers * one_block / 2
+    assert remat < plain / 3
+
+
 def test_bfloat16_compute_stays_close_to_float32(tiny_lm):
     graphdef, state = tiny_lm
     graphdef_bf16, _ = abstract_model(

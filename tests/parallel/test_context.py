@@ -157,9 +157,14 @@ def test_length_is_split_over_the_sequence_axis(mesh):
     assert logical_to_spec(names, (4, 10, 8), mesh) == P(("data", "fsdp"), None, None)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_tiny_transformer_on_a_sequence_mesh_matches_one_device(mesh, strategy):
-    cfg = get_preset("tiny")
+@pytest.mark.parametrize(
+    "strategy, overrides",
+    [(s, {}) for s in STRATEGIES]
+    # The scanned, rematerialised blocks and a sliding window with sinks, split the same way.
+    + [("ring", {"remat": True, "sliding_window": 5, "attention_sinks": 2})],
+)
+def test_a_tiny_transformer_on_a_sequence_mesh_matches_one_device(mesh, strategy, overrides):
+    cfg = get_preset("tiny", **overrides)
     graphdef, state = create_model(lambda r: CausalLM(cfg, rngs=r), jax.random.key(0))
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, cfg.vocab_size, size=(B, T)).astype(np.int32)
