@@ -1,0 +1,111 @@
+"""Held-out accuracy against samples for several arms of runs, mean and standard error over seeds.
+
+    python benchmarks/learning_curves.py sync=runs/sync_s0,runs/sync_s1,runs/sync_s2 \
+        eta2=runs/eta2_s0,runs/eta2_s1 ...
+
+Each argument is ``ARM=DIR[,DIR...]``: run directories of one arm, one per seed. Reads
+each run's ``metrics.jsonl`` (greedy held-out ``eval/DOMAIN/pass@1`` lines, the SFT one
+included as 0 samples) and ``config.json`` (``rollout.batch_size`` samples per PPO step),
+and prints a table of the mean over domains at each evaluation (mean over seeds +- the
+standard error) and, as the last line, a JSON object with the per-arm curves and the final
+point's per-domain means, and each later arm's final accuracy minus the first arm's,
+paired by seed (the directories' order). Points are matched by PPO step, so every run of an arm must
+evaluate at the same steps; a run that stopped early contributes its evaluations so far.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+
+
+def _run_curve(workdir: str) -> tuple[dict[int, dict[str, float]], int]:
+    """({samples: {domain: pass@1}}, samples per PPO step) of one run."""
+    with open(os.path.join(workdir, "config.json")) as f:
+        per_step = int(json.load(f)["rollout"]["batch_size"])
+    points: dict[int, dict[str, float]] = {}
+    first_ppo_step = None
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    ppo_steps = sorted(d["step"] for d in lines if d.get("stage") == "ppo")
+    if ppo_steps:
+        first_ppo_step = ppo_steps[0]
+    for d in lines:
+        scores = {
+            k.split("/")[1]: v
+            for k, v in d.items()
+            if k.startswith("eval/") and k.endswith("/pass@1") and k.count("/") == 2
+        }
+        if not scores:
+            continue
+        if d.get("stage") == "ppo" and first_ppo_step is not None:
+            done = d["step"] - first_ppo_step + 1
+        elif d.get("stage") == "sft":
+            done = 0
+        else:
+            continue
+        points[done * per_step] = scores
+    return points, per_step
+
+
+def _mean_se(values: list[float]) -> tuple[float, float | None]:
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit(__doc__)
+    report = {}
+    finals: dict[str, list[float]] = {}
+    for spec in argv:
+        if "=" not in spec:
+            raise SystemExit(f"expected ARM=DIR[,DIR...], got {spec!r}")
+        arm, dirs = spec.split("=", 1)
+        runs = [_run_curve(d)[0] for d in dirs.split(",") if d]
+        by_samples: dict[int, list[float]] = defaultdict(list)
+        final_domains: dict[str, list[float]] = defaultdict(list)
+        for run in runs:
+            for samples, scores in run.items():
+                by_samples[samples].append(sum(scores.values()) / len(scores))
+            last = run[max(run)]
+            for domain, value in last.items():
+                final_domains[domain].append(value)
+        curve = {}
+        for samples in sorted(by_samples):
+            mean, se = _mean_se(by_samples[samples])
+            n = len(by_samples[samples])
+            se_text = "  n/a" if se is None else f"{se:.3f}"
+            curve[str(samples)] = {
+                "mean": round(mean, 4), "se": None if se is None else round(se, 4), "seeds": n
+            }  # fmt: skip
+            print(f"{arm:12s} {samples:7d}  {mean:.3f} +- {se_text}  (n={n})")
+        finals[arm] = [sum(run[max(run)].values()) / len(run[max(run)]) for run in runs]
+        report[arm] = {
+            "curve": curve,
+            "final_by_domain": {d: round(_mean_se(v)[0], 4) for d, v in final_domains.items()},
+            "runs": len(runs),
+        }
+    # Arms share each seed's warm start (the SFT stage is the same for a seed), so the
+    # difference at the last evaluation is paired by seed: the first arm is the reference.
+    arms = list(finals)
+    for arm in arms[1:]:
+        pairs = [b - a for a, b in zip(finals[arms[0]], finals[arm])]
+        if pairs:
+            mean, se = _mean_se(pairs)
+            report[arm][f"final_minus_{arms[0]}"] = {
+                "mean": round(mean, 4), "se": None if se is None else round(se, 4),
+                "pairs": len(pairs),
+            }  # fmt: skip
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
