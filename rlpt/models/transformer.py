@@ -18,6 +18,12 @@ window) the key is among the window's most recent positions or is a sink.
 Positions (for the rotary embedding) are passed separately, so left-padded,
 right-padded and unpadded rows give the same results for their real tokens.
 The kernels and the mask description live in ``rlpt.models.attention``.
+
+A sliding-window model decodes with a ring cache (``KVCache.create_ring``): S + W slots
+per row whatever the length, the first S holding the sinks and position p >= S stored at
+slot S + (p - S) mod W. Slots then say nothing about order, so the ring's mask is causal by
+position (the key's position is not later than the query's), which is the same rule for
+real tokens: positions grow with slots along a row, and padding is invalid either way.
 """
 
 from __future__ import annotations
@@ -119,7 +125,9 @@ class KVCache:
     ``valid``: [B, S], which slots hold real tokens; ``index``: the next slot to
     write (every row writes in lockstep; padding is marked invalid); ``positions``:
     [B, S], the rotary position of each slot's token (for sliding windows and MoBA
-    blocks in decoding).
+    blocks in decoding). A ring cache (``window`` > 0) has S = sinks + window slots and
+    writes each row's tokens by position instead (``ring_slots``); ``index`` then only
+    counts the columns fed.
     """
 
     k: tuple[jax.Array, ...]
@@ -127,13 +135,56 @@ class KVCache:
     valid: jax.Array
     index: jax.Array
     positions: jax.Array | None = None
+    # A ring cache (``create_ring``) of a model with this sliding window and these sinks;
+    # 0: slots in write order, one per token.
+    window: int = struct.field(pytree_node=False, default=0)
+    sinks: int = struct.field(pytree_node=False, default=0)
 
     @classmethod
     def create(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
+        """A cache of ``length`` slots written in order, one per token (padding included)."""
         if length > config.max_seq_len:
             raise ValueError(
                 f"cache length {length} exceeds model.max_seq_len ({config.max_seq_len})"
             )
+        return cls._zeros(config, batch, length)
+
+    @classmethod
+    def create_ring(cls, config: ModelConfig, batch: int) -> KVCache:
+        """A ring of ``attention_sinks + sliding_window`` slots per row, whatever the length.
+
+        Position p of a row lives at slot p while p < S (the sinks), else at
+        S + (p - S) mod W, overwriting position p - W, which no later query sees. Padding
+        is never written, so left-padded rows keep their first S real tokens as sinks.
+        """
+        if config.sliding_window <= 0:
+            raise ValueError("a ring KV cache needs model.sliding_window > 0")
+        if config.sparse_attention != "none":
+            # MoBA scores whole key blocks, older ones included: a window's ring lacks them.
+            raise ValueError(
+                f"a ring KV cache does not support model.sparse_attention="
+                f"{config.sparse_attention!r} (it reads blocks outside the window)"
+            )
+        length = config.attention_sinks + config.sliding_window
+        return cls._zeros(config, batch, length).replace(
+            window=config.sliding_window, sinks=config.attention_sinks
+        )
+
+    @classmethod
+    def for_generation(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
+        """The cache generating ``length`` positions needs: a ring for a sliding-window model
+        when it is shorter than ``length``, else ``length`` slots in order."""
+        if length > config.max_seq_len:
+            raise ValueError(
+                f"cache length {length} exceeds model.max_seq_len ({config.max_seq_len})"
+            )
+        ring = config.attention_sinks + config.sliding_window
+        if config.sliding_window and config.sparse_attention == "none" and ring < length:
+            return cls.create_ring(config, batch)
+        return cls.create(config, batch, length)
+
+    @classmethod
+    def _zeros(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
         shape = (batch, length, config.n_kv_heads, config.resolved_head_dim)
         zeros = tuple(jnp.zeros(shape, config.compute_dtype) for _ in range(config.n_layers))
         return cls(
@@ -147,6 +198,26 @@ class KVCache:
     @property
     def length(self) -> int:
         return self.valid.shape[1]
+
+    def ring_slots(self, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        """The ring slot [B, T] each new token is written to; ``length`` (out of range, so
+        the scatter drops it) for padding and for a token a later one of the same call
+        overwrites (a scatter's order among duplicate indices is unspecified)."""
+        s, w = self.sinks, self.window
+        positions = positions.astype(jnp.int32)
+        last = jnp.max(jnp.where(mask, positions, -1), axis=1, keepdims=True)
+        keep = mask & ((positions < s) | (positions > last - w))
+        slot = jnp.where(positions < s, positions, s + (positions - s) % w)
+        return jnp.where(keep, slot, self.length)
+
+
+@struct.dataclass
+class _RingLayer:
+    """One layer's ring (``k``, ``v`` [B, S + W, K, H]) and where the new tokens go [B, T]."""
+
+    k: jax.Array
+    v: jax.Array
+    write: jax.Array
 
 
 @struct.dataclass
@@ -231,7 +302,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, mask, layer_cache, kernel: str = "dense"):
         """x [B, T, D]; ``mask`` a ``MaskInfo`` or the materialised allowed [B, T, S];
-        layer_cache None or (k, v, index) with [B, S, K, H]; ``kernel`` one of "dense",
+        layer_cache None, (k, v, index) with [B, S, K, H], a ring's ``_RingLayer`` or a
+        ``PagedCache``; ``kernel`` one of "dense",
         "blockwise", "dot_product", "splash", "moba" (see ``rlpt.models.attention``)."""
         cfg = self.config
         dtype = cfg.compute_dtype
@@ -250,6 +322,17 @@ class Attention(nnx.Module):
             pool_k, k, rows_k = _paged_attend_to(layer_cache, "k", k, positions)
             pool_v, v, rows_v = _paged_attend_to(layer_cache, "v", v, positions)
             new_layer_cache = (pool_k, pool_v, rows_k, rows_v)
+        elif isinstance(layer_cache, _RingLayer):
+            # The new queries attend to the ring as it was plus the new keys, and only then
+            # are the keys written: a chunk longer than the window overwrites keys its own
+            # earlier queries still see.
+            rows = jnp.arange(k.shape[0])[:, None]
+            new_layer_cache = (
+                layer_cache.k.at[rows, layer_cache.write].set(k, mode="drop"),
+                layer_cache.v.at[rows, layer_cache.write].set(v, mode="drop"),
+            )
+            k = jnp.concatenate([layer_cache.k, k], axis=1)
+            v = jnp.concatenate([layer_cache.v, v], axis=1)
         elif layer_cache is not None:
             cache_k, cache_v, index = layer_cache
             k = jax.lax.dynamic_update_slice(cache_k, k, (0, index, 0, 0))
@@ -357,6 +440,8 @@ def attention_mask(
             positions, mask, segment_ids, window=window, sinks=sinks
         )
         return info, None, None
+    if cache.window:
+        return _ring_mask(cache, mask, positions.astype(jnp.int32), window, sinks)
     key_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))
     old = cache.positions if cache.positions is not None else jnp.zeros(cache.valid.shape, int)
     key_positions = jax.lax.dynamic_update_slice(
@@ -372,6 +457,32 @@ def attention_mask(
         sinks=sinks,
     )
     return info, key_valid, key_positions
+
+
+def _ring_mask(cache: KVCache, mask, positions, window: int, sinks: int):
+    """The mask of new tokens over a ring's keys followed by their own (the keys
+    ``Attention`` reads), causal by position; and the ring's validity and positions after
+    the new tokens are written."""
+    if (window, sinks) != (cache.window, cache.sinks):
+        raise ValueError(
+            f"the ring KV cache was made for sliding_window={cache.window}, attention_sinks="
+            f"{cache.sinks}; the model has {window}, {sinks}"
+        )
+    write = cache.ring_slots(positions, mask)
+    rows = jnp.arange(mask.shape[0])[:, None]
+    k_positions = jnp.concatenate([cache.positions, positions], axis=1)
+    info = MaskInfo(
+        q_slots=positions,
+        k_slots=k_positions,
+        q_positions=positions,
+        k_positions=k_positions,
+        k_valid=jnp.concatenate([cache.valid, mask], axis=1),
+        window=window,
+        sinks=sinks,
+    )
+    new_valid = cache.valid.at[rows, write].set(True, mode="drop")
+    new_positions = cache.positions.at[rows, write].set(positions, mode="drop")
+    return info, new_valid, new_positions
 
 
 _REMAT_POLICIES = {
@@ -429,6 +540,8 @@ class Transformer(nnx.Module):
             attn_mask = ContextMask(
                 mask, segment_ids, positions, cfg.sliding_window, cfg.attention_sinks
             )
+        if isinstance(cache, KVCache) and cache.window:
+            ring_write = cache.ring_slots(positions, mask)
         x = jnp.take(self.embedding[...], tokens, axis=0)
         x = constrain(x, ("batch", "length", "act_embed"))
         new_k, new_v, new_rows_k, new_rows_v = [], [], [], []
@@ -437,6 +550,8 @@ class Transformer(nnx.Module):
         for i, block in enumerate(() if cfg.remat and cache is None else self.blocks):
             if isinstance(cache, PagedCache):
                 layer_cache = cache.layer(i)
+            elif isinstance(cache, KVCache) and cache.window:
+                layer_cache = _RingLayer(cache.k[i], cache.v[i], ring_write)
             else:
                 layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
             if cfg.remat:
@@ -457,7 +572,7 @@ class Transformer(nnx.Module):
             if cache.rows_k is not None:
                 cache = cache.replace(rows_k=tuple(new_rows_k), rows_v=tuple(new_rows_v))
         elif cache is not None:
-            cache = KVCache(
+            cache = cache.replace(
                 k=tuple(new_k), v=tuple(new_v), valid=new_valid,
                 index=cache.index + tokens.shape[1], positions=new_positions,
             )  # fmt: skip

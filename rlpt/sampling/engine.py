@@ -29,6 +29,12 @@ How it runs (``Engine.step``; ``Engine.generate`` steps until everything submitt
   flight continue under the new weights (partial rollouts; their tokens say which version
   made them), or are aborted and requeued (``in_flight="requeue"``). ``abort`` drops a
   request. When a shard runs out of blocks, its youngest request is requeued (preempted).
+* **Sliding windows.** For a model with ``sliding_window`` W and ``attention_sinks`` S, a
+  decoding sample gives back each block that lies wholly behind its window and holds no sink,
+  so it holds O((S + W) / block_size) blocks however long it runs (the prompt is held whole
+  until its decoding starts). The step still reads a context of every position up to the
+  newest (dropped blocks read the trash block, which the window masks out): the pool's
+  memory is bounded, the per-call gathered context is not.
 
 Sharding: slots and the block pools are split over the data axes (a sequence's blocks live
 in its slot's shard, so no step communicates across shards), heads over the tensor axis, and
@@ -223,15 +229,22 @@ class Engine:
                 f"max_seq_len ({self.max_seq_len}) exceeds model.max_seq_len ({config.max_seq_len})"
             )
         self.max_blocks = math.ceil(self.max_seq_len / block_size)
+        self.decode_steps = decode_steps
+        # A sliding-window model's sample gives back the blocks behind its window (the sinks'
+        # kept); MoBA reads blocks outside the window, so it keeps them all.
+        self.window = config.sliding_window if config.sparse_attention == "none" else 0
+        self.sinks = config.attention_sinks if self.window else 0
         self.num_blocks = int(num_blocks or self.slots_per_shard * self.max_blocks + 1)
-        if self.num_blocks < self.max_blocks + 1:
+        least = self.max_blocks
+        if self.window:
+            least = min(least, self._window_blocks() + 1)
+        if self.num_blocks < least + 1:
             raise ValueError(
                 f"num_blocks ({self.num_blocks}) must hold at least one whole sequence "
-                f"({self.max_blocks} blocks) plus the idle rows' block"
+                f"({least} blocks) plus the idle rows' block"
             )
         self.prefill_chunk = prefill_chunk
         self.prefill_rows = prefill_rows
-        self.decode_steps = decode_steps
         self.version = int(version)
         self.stats = EngineStats()
         self.trace_count = 0
@@ -275,6 +288,10 @@ class Engine:
                 )
             shared = (len(prompt) - 1) // self.block_size
             worst = shared + p.n * (-(-(len(prompt) + p.max_tokens) // self.block_size) - shared)
+            if self.window:
+                # The prompt is held whole until decoding starts; then each sample holds its
+                # sinks and its window (the group's partial prompt block is copied once).
+                worst = min(worst, shared + 1 + p.n * self._window_blocks())
             if worst > self.num_blocks - 1:
                 raise ValueError(
                     f"request {request.id!r}: {p.n} samples of up to {len(prompt)} + "
@@ -430,8 +447,36 @@ class Engine:
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.blocks_in_use())
         return blocks
 
+    def _window_blocks(self) -> int:
+        """The most blocks a decoding sample of a sliding-window model holds: the sinks', the
+        window's behind its next position and those a decode call writes, one more for
+        alignment and one for the copy of its prompt's partial block."""
+        bs = self.block_size
+        behind = -(-(self.window - 1 + self.decode_steps) // bs)
+        return -(-self.sinks // bs) + behind + 2
+
+    def _drop_behind_window(self) -> None:
+        """Give back the blocks no query of a sliding-window sample reads again: wholly before
+        the window of its next position and holding no sink. Their page-table entries point
+        at the trash block from then on, whose keys the window masks out."""
+        if not self.window:
+            return
+        bs = self.block_size
+        first = -(-self.sinks // bs)  # the first block that holds no sink
+        for sample in self._running:
+            if sample is None:
+                continue
+            # The query at ``pos`` and every later one see no position <= pos - W.
+            behind = (sample.pos - self.window + 1) // bs
+            for j in range(first, min(behind, len(sample.blocks))):
+                if sample.blocks[j] != _TRASH_BLOCK:
+                    self._release(sample.group.shard, [sample.blocks[j]])
+                    sample.blocks[j] = _TRASH_BLOCK
+
     def _release(self, shard: int, blocks: Iterable[int]) -> None:
         for b in blocks:
+            if b == _TRASH_BLOCK:  # a dropped block of a sliding-window sample
+                continue
             self.refcounts[shard, b] -= 1
             if self.refcounts[shard, b] == 0:
                 self._free_blocks[shard].append(b)
@@ -741,6 +786,7 @@ class Engine:
 
     def _decode(self) -> None:
         bs, steps = self.block_size, self.decode_steps
+        self._drop_behind_window()
         # Blocks for every position this call may write.
         for i, sample in enumerate(self._running):
             if sample is None:

@@ -63,7 +63,8 @@ def generate(
 ) -> SampleOutput:
     """Pure generation with ``model`` (a ``CausalLM``); see the module docstring."""
     batch, prompt_len = prompt_tokens.shape
-    cache = KVCache.create(config, batch, prompt_len + max_new_tokens)
+    # A sliding-window model decodes in a ring of sinks + window slots, whatever the length.
+    cache = KVCache.for_generation(config, batch, prompt_len + max_new_tokens)
     prompt_mask = prompt_mask.astype(bool)
     logits, cache = model(prompt_tokens, positions_from_mask(prompt_mask), prompt_mask, cache=cache)
     stop = jnp.asarray(stop_ids, jnp.int32)

@@ -303,3 +303,32 @@ def test_warm_up_compiles_everything_a_run_needs_and_changes_nothing(model):
     with pytest.raises(RuntimeError, match="before any request"):
         warm.submit(requests[:1])
         warm.warm_up()
+
+
+def test_sliding_window_samples_hold_only_their_window_of_blocks():
+    # S + W = 10 positions live; a block holds 4, so a 150-token response that keeps
+    # every block would need 39 per sample, and 16 blocks hold two samples' windows.
+    cfg = get_preset("tiny", sliding_window=8, attention_sinks=2)
+    graphdef, state = create_model(lambda r: CausalLM(cfg, rngs=r), jax.random.key(2))
+    prompt, new = [1, 40, 41, 42, 43], 150
+    ref = Sampler(graphdef, cfg, eos_id=EOS, pad_id=PAD).generate(
+        state, [prompt], jax.random.key(0), max_new_tokens=new
+    )
+    engine = Engine(graphdef, state, cfg, eos_id=EOS, pad_id=PAD, num_slots=2, block_size=4,
+                    num_blocks=16, prefill_chunk=8, decode_steps=4, max_seq_len=160)  # fmt: skip
+    out = engine.generate([Request(0, prompt, _greedy(n=2, max_tokens=new))])
+    for c in out:
+        assert c.finish_reason == "length"  # the whole response ran, well past the window
+        np.testing.assert_array_equal(c.tokens, ref.tokens[0])
+        np.testing.assert_allclose(c.logprobs, ref.logprobs[0], atol=1e-5)
+    # Per sample: the sinks' block, (W - 1 + decode_steps) / 4 = 3 behind and written, one
+    # for alignment and the prompt's partial block; one shared prompt block.
+    assert engine.stats.peak_blocks <= 1 + 2 * 6, engine.stats.peak_blocks
+    assert engine.stats.preemptions == 0
+    assert engine.refcounts.sum() == 0 and engine.blocks_in_use() == 0
+    # Full attention keeps every block: the same request does not fit.
+    with pytest.raises(ValueError, match="raise num_blocks"):
+        _engine(
+            create_model(lambda r: CausalLM(CFG, rngs=r), jax.random.key(2)), num_slots=2,
+            block_size=4, num_blocks=41, prefill_chunk=8, max_seq_len=160,
+        ).submit([Request(0, prompt, _greedy(n=2, max_tokens=new))])  # fmt: skip
