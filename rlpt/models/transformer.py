@@ -554,12 +554,8 @@ class Transformer(nnx.Module):
                 layer_cache = _RingLayer(cache.k[i], cache.v[i], ring_write)
             else:
                 layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
-            if cfg.remat:
-                x, updated = nnx.remat(
-                    lambda blk, *a: blk(*a, kernel), policy=_REMAT_POLICIES[cfg.remat_policy]
-                )(block, x, positions, attn_mask, layer_cache)
-            else:
-                x, updated = block(x, positions, attn_mask, layer_cache, kernel)
+            # Cached decoding has no backward pass: nothing to rematerialise.
+            x, updated = block(x, positions, attn_mask, layer_cache, kernel)
             if updated is not None:
                 new_k.append(updated[0])
                 new_v.append(updated[1])
