@@ -7,33 +7,33 @@ from rlpt.tasks.state_tracking import LEVEL_STEPS, iterate, parse_step
 from rlpt.tokenizers import ByteTokenizer
 
 DOMAIN = StateTrackingDomain()
-# x=417; x=(x*37+5)%1000 three times: 417*37+5 = 15434 -> 434; 434*37+5 = 16063 -> 63;
-# 63*37+5 = 2336 -> 336.
+# x=417; x=(x+583)%1000 three times: 417+583 = 1000 -> 0; 0+583 = 583; 583+583 = 1166 -> 166.
 TASK = Task(
-    "s", "state_tracking", "x=417; x=(x*37+5)%1000; 3 times", 1, "336",
-    {"start": 417, "mul": 37, "add": 5, "steps": 3, "answer_format": "number"},
+    "s", "state_tracking", "x=417; x=(x+583)%1000; 3 times", 1, "166",
+    {"start": 417, "add": 583, "steps": 3, "answer_format": "number"},
 )  # fmt: skip
 
 
 def test_iterate_hand_worked():
-    assert iterate(417, 37, 5, 3) == [417, 434, 63, 336]
+    assert iterate(417, 583, 3) == [417, 0, 583, 166]
+    assert iterate(999, 1, 2) == [999, 0, 1]
 
 
 def test_demonstration_hand_worked():
-    assert DOMAIN.demonstration(TASK) == "1:434<step>2:63<step>3:336<answer>336"
+    assert DOMAIN.demonstration(TASK) == "1:0<step>2:583<step>3:166<answer>166"
     assert DOMAIN.verify(TASK, DOMAIN.demonstration(TASK)).correct
 
 
 @pytest.mark.parametrize(
     "completion, labels",
     [
-        ("1:434<step>2:63<step>3:336<answer>336", [True, True, True]),
-        ("1: 434<step> 2:63 <step>3:336<answer>336", [True, True, True]),
-        ("1:434<step>2:64<step>3:336<answer>336", [True, False, True]),
-        ("1:434<step>3:63<step>3:336<answer>336", [True, False, True]),  # wrong counter
-        ("1:434<step>2:63<step>3:336<step>4:437<answer>437", [True, True, True, False]),
-        ("434<step>63<answer>63", [False, False]),
-        ("<answer>336", []),
+        ("1:0<step>2:583<step>3:166<answer>166", [True, True, True]),
+        ("1: 0<step> 2:583 <step>3:166<answer>166", [True, True, True]),
+        ("1:0<step>2:584<step>3:166<answer>166", [True, False, True]),
+        ("1:0<step>3:583<step>3:166<answer>166", [True, False, True]),  # wrong counter
+        ("1:0<step>2:583<step>3:166<step>4:749<answer>749", [True, True, True, False]),
+        ("0<step>583<answer>583", [False, False]),
+        ("<answer>166", []),
     ],
 )
 def test_check_steps(completion, labels):
@@ -47,9 +47,9 @@ def test_parse_step():
 
 
 def test_verification():
-    assert DOMAIN.verify(TASK, "anything<answer>336").reward == 1.0
-    assert DOMAIN.verify(TASK, "1:434<answer>335").outcome == "wrong"
-    assert DOMAIN.verify(TASK, "1:434<step>2:63").outcome == "no_answer"
+    assert DOMAIN.verify(TASK, "anything<answer>166").reward == 1.0
+    assert DOMAIN.verify(TASK, "1:0<answer>165").outcome == "wrong"
+    assert DOMAIN.verify(TASK, "1:0<step>2:583").outcome == "no_answer"
 
 
 def test_registered():
@@ -60,11 +60,11 @@ def test_generated_task_matches_its_own_data():
     for d in range(1, DOMAIN.max_difficulty + 1):
         task = DOMAIN.generate("train", 5, d)
         data = task.data
-        assert task.prompt == (
-            f"x={data['start']}; x=(x*{data['mul']}+{data['add']})%1000; {data['steps']} times"
-        )
-        assert data["steps"] == LEVEL_STEPS[d]
-        values = iterate(data["start"], data["mul"], data["add"], data["steps"])
+        assert task.prompt == f"x={data['start']}; x=(x+{data['add']})%1000; {data['steps']} times"
+        assert 1 <= data["add"] <= 999 and 0 <= data["start"] <= 999
+        lo, hi = LEVEL_STEPS[d]
+        assert lo <= data["steps"] <= hi
+        values = iterate(data["start"], data["add"], data["steps"])
         assert task.answer == str(values[-1])
 
 
@@ -78,15 +78,22 @@ def test_reasoning_length_grows_with_level_and_prompt_stays_short():
     assert list(mean_len.values()) == sorted(mean_len.values())
     assert mean_len[1] < 40  # the tiny demo's level
     assert mean_len[4] > 300 and mean_len[6] > 1500  # many windows of a small model
+    # Level 5 has at least 128 steps: counter digits 9 + 180 + 87, 128 colons, 128
+    # separators and >= 128 value digits make >= 660 tokens, over 4 windows of 128.
+    assert LEVEL_STEPS[5][0] == 128
+    assert (
+        min(len(tok.encode(DOMAIN.demonstration(t))) for t in DOMAIN.tasks("train", 10, 5)) >= 660
+    )
 
 
 def test_problem_space_is_large_and_split_by_prompt():
-    # 1000 starts x 98 multipliers x 100 increments per level.
-    assert 1000 * 98 * 100 >= 10**6
+    # 1000 starts x 999 increments x at least 2 iteration counts per level.
+    assert min(hi - lo + 1 for lo, hi in LEVEL_STEPS.values()) >= 2
+    assert 1000 * 999 * 2 >= 10**6
     heldout = DOMAIN.tasks("heldout", 300, 3)
     train = DOMAIN.tasks("train", 2000, 3)
     assert all(partition_of(t.prompt, DOMAIN.heldout_fraction) == "heldout" for t in heldout)
     assert all(partition_of(t.prompt, DOMAIN.heldout_fraction) == "train" for t in train)
     assert {t.prompt for t in heldout}.isdisjoint(t.prompt for t in train)
-    # 2000 draws from ~7.8M train prompts repeat about 0.26 times on average.
+    # 2000 draws from ~5.6M train prompts (7 counts at level 3) repeat about 0.36 times.
     assert len({t.prompt for t in train}) >= len(train) - 3
