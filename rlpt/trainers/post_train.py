@@ -190,11 +190,17 @@ class PostTrainRun:
         )  # fmt: skip
 
         # SFT: demonstrations and their fixed length (the token budget decides the steps).
+        # With chunked reasoning a demonstration becomes the rows chunked generation makes
+        # of it, so SFT trains the same windows as PPO and can warm-start a chunked run.
         s = config.sft
         examples = sft_lib.read_jsonl_examples(s.jsonl) if s.jsonl else None
+        chunk_kw = {}
+        if chunking.enabled:
+            chunk_kw = {"chunk_tokens": chunking.chunk_tokens,
+                        "carry_tokens": chunking.carry_tokens}  # fmt: skip
         stream = sft_lib.ExampleStream(
             self.tokenizer, batch_size=s.batch_size, max_len=s.max_len, domains=self.domains,
-            levels=self.levels, examples=examples, seed=config.seed,
+            levels=self.levels, examples=examples, seed=config.seed, **chunk_kw,
         )  # fmt: skip
         heldout_pairs = [
             (t.prompt, self.domains[t.domain].demonstration(t))
@@ -204,7 +210,7 @@ class PostTrainRun:
         self.sft = SFTStage(
             s, stream, init_params=self.init_params, base_params=self.base_params,
             policy_graph=self.policy_graph, evaluation=self.evaluation,
-            heldout=sft_lib.heldout_batch(self.tokenizer, heldout_pairs, s.max_len),
+            heldout=sft_lib.heldout_batch(self.tokenizer, heldout_pairs, s.max_len, **chunk_kw),
             mesh=self.mesh,
         )  # fmt: skip
 
@@ -380,6 +386,7 @@ class PostTrainRun:
     def save(self) -> None:
         self.meta["loader"] = self.loader.get_state()
         self.meta["sft_position"] = self.sft.stream.position
+        self.meta["sft_chunk_offset"] = self.sft.stream.chunk_offset
         self.meta["elapsed_s"] = self._elapsed()
         self.meta["config"] = run_identity(self.config)
         self.meta["reward_monitor"] = self.learned.monitor_state()
@@ -440,7 +447,8 @@ class PostTrainRun:
         if self.learner.state is not None:
             self.learner.place()
         self.loader.set_state(meta["loader"])
-        self.sft.stream.position = int(meta["sft_position"])
+        # Checkpoints from before chunked SFT have no chunk offset: whole examples only.
+        self.sft.stream.seek(int(meta["sft_position"]), int(meta.get("sft_chunk_offset", 0)))
         self._elapsed_before = float(meta["elapsed_s"])
         self.writer.resume(step)
         if jax.process_index() == 0:
