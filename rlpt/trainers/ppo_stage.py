@@ -100,9 +100,12 @@ class PPOStage:
         t_collected = time.perf_counter()
         rows = None
         if chunking.enabled:
+            # Rows for the ceiling (chunking.max_chunks), not this step's budget: the score
+            # and update programs compile once for the whole length curriculum; the
+            # unused rows are filler with zero loss weight.
             batch, layout, rows = self.learner.make_chunked_batch(
                 up, ro.group_id, chunk_tokens=chunking.chunk_tokens,
-                carry_tokens=chunking.carry_tokens, max_chunks=self.rollout.max_chunks,
+                carry_tokens=chunking.carry_tokens, max_chunks=chunking.max_chunks,
                 prompt_buckets=self.make_batch_kwargs["prompt_buckets"],
                 pad_id=self.make_batch_kwargs["pad_id"], step_id=self.make_batch_kwargs["step_id"],
             )  # fmt: skip

@@ -66,8 +66,9 @@ def test_a_window_larger_than_the_model_is_refused(tmp_path):
 
 
 def test_ppo_with_chunked_reasoning_runs_and_no_pass_exceeds_one_window(tmp_path):
+    # Only the final held-out evaluation is asserted on: no sampled or out-of-domain sets.
     config = _config(**{"rollout.sampler": "static", "eval.n_samples": 0, "eval.k": 1,
-                        "eval.heldout_items": 2, "eval.ood_items": 2, "eval.train_items": 2,
+                        "eval.heldout_items": 2, "eval.ood_items": 0, "eval.train_items": 0,
                         "logging.plots": False})  # fmt: skip
     summary = post_train.train_and_evaluate(config, str(tmp_path))
     assert "state_tracking" in summary["eval"]["final"]
