@@ -1,11 +1,13 @@
-"""Chunked reasoning in the post_train trainer: config checks and a tiny PPO run."""
+"""Chunked reasoning in the post_train trainer: config checks and a tiny SFT + PPO run."""
 
 import importlib.util
 import json
+import math
 import os
 
 import pytest
 
+from rlpt import chunked_eval
 from rlpt.config import ConfigError, parse_config
 from rlpt.trainers import post_train
 
@@ -71,9 +73,14 @@ def test_ppo_with_chunked_reasoning_runs_and_no_pass_exceeds_one_window(tmp_path
                         "eval.heldout_items": 2, "eval.ood_items": 0, "eval.train_items": 0,
                         "logging.plots": False})  # fmt: skip
     summary = post_train.train_and_evaluate(config, str(tmp_path))
+    assert "state_tracking" in summary["eval"]["sft"]
     assert "state_tracking" in summary["eval"]["final"]
     with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
         lines = [json.loads(line) for line in f]
+    # SFT trained on chunk rows: level-1 demonstrations (about 20 tokens) fit one window,
+    # so it ran and logged a finite loss.
+    sft = [r for r in lines if r.get("stage") == "sft" and "sft/loss" in r]
+    assert sft and all(math.isfinite(r["sft/loss"]) for r in sft)
     ppo = [r for r in lines if r.get("stage") == "ppo"]
     assert [r["ppo/max_chunks"] for r in ppo] == [2, 4]  # the length curriculum
     window = 48 + 16  # largest prompt bucket + one chunk = model.max_seq_len
@@ -83,3 +90,10 @@ def test_ppo_with_chunked_reasoning_runs_and_no_pass_exceeds_one_window(tmp_path
         assert r["ppo/trace_len_max"] <= 16 * r["ppo/max_chunks"]
     # The budget of the last step lets a trace grow past one window.
     assert 16 * ppo[-1]["ppo/max_chunks"] >= 64
+    # The per-level evaluation of the checkpoint: greedy chunked traces, one window each.
+    result = chunked_eval.evaluate_chunked(str(tmp_path), levels=[1], chunk_sizes=[16], items=2)
+    level1 = result["results"]["state_tracking/C16"]["1"]
+    assert result["carry_tokens"] == 8 and level1["items"] == 2
+    assert 0.0 <= level1["pass@1"] <= 1.0
+    assert level1["window_max"] <= window
+    assert level1["trace_len_max"] <= 16 * level1["max_chunks"]
