@@ -8,7 +8,10 @@ items greedily with ``chunked_generate`` and a chunk budget that holds the level
 longest demonstration. Besides pass@1 it reports what each generation call cost in
 memory, the widest context + chunk fed to the model (``window_max``), against the full
 trace (``trace_len_max``), and how many leading steps of a trace were right on average
-(``correct_prefix_frac``), which tells a slip in one addition from losing the thread.
+(``correct_prefix_frac``), which tells a slip in one addition from losing the thread;
+for ``state_tracking``, ``counter_ok_frac`` is the share of the reference's steps whose
+iteration counter the trace wrote right, whatever the value: whether the count survives
+the context resets.
 
 The last line of standard output is one JSON object; it is also written to
 ``WORKDIR/chunked_eval.json``.
@@ -30,7 +33,8 @@ from absl import app, flags
 from rlpt.policy import restore_policy
 from rlpt.runfiles import atomic_write_json
 from rlpt.sampling import GREEDY, ChunkedSampler
-from rlpt.tasks import get_domain
+from rlpt.tasks import get_domain, split_steps
+from rlpt.tasks.state_tracking import parse_step
 from rlpt.tokenizers import decode_response
 
 
@@ -84,7 +88,7 @@ def evaluate_chunked(
                         policy.params, prompts[start : start + batch_size], key,
                         max_chunks=max_chunks, sampling=GREEDY,
                     )  # fmt: skip
-                correct, prefix = [], []
+                correct, prefix, counters = [], [], []
                 for task, trace in zip(tasks, traces):
                     text = decode_response(tok, trace.tokens)
                     correct.append(domain.verify(task, text).correct)
@@ -92,12 +96,17 @@ def evaluate_chunked(
                         steps = int(task.data.get("steps", 0)) or 1
                         labels = domain.check_steps(task, text)
                         prefix.append(_leading_correct(labels) / steps)
+                    if name == "state_tracking":
+                        parsed = [parse_step(x) for x in split_steps(text)][: task.data["steps"]]
+                        ok = sum(p is not None and p[0] == i for i, p in enumerate(parsed, 1))
+                        counters.append(ok / task.data["steps"])
                 windows = [len(s.context) + len(s.tokens) for t in traces for s in t.segments]
                 lengths = [len(t.tokens) for t in traces]
                 results.setdefault(f"{name}/C{c}", {})[str(level)] = {
                     "pass@1": float(np.mean(correct)),
                     "items": len(tasks),
                     "correct_prefix_frac": float(np.mean(prefix)) if prefix else None,
+                    "counter_ok_frac": float(np.mean(counters)) if counters else None,
                     "window_max": int(max(windows)),
                     "trace_len_mean": float(np.mean(lengths)),
                     "trace_len_max": int(max(lengths)),

@@ -94,6 +94,6 @@ def test_ppo_with_chunked_reasoning_runs_and_no_pass_exceeds_one_window(tmp_path
     result = chunked_eval.evaluate_chunked(str(tmp_path), levels=[1], chunk_sizes=[16], items=2)
     level1 = result["results"]["state_tracking/C16"]["1"]
     assert result["carry_tokens"] == 8 and level1["items"] == 2
-    assert 0.0 <= level1["pass@1"] <= 1.0
+    assert 0.0 <= level1["pass@1"] <= 1.0 and 0.0 <= level1["counter_ok_frac"] <= 1.0
     assert level1["window_max"] <= window
     assert level1["trace_len_max"] <= 16 * level1["max_chunks"]
