@@ -207,6 +207,54 @@ class SFTSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChunkedReasoningSection:
+    """``rollout.chunked_reasoning``: Delethink's chunked reasoning (arXiv:2510.06557).
+
+    The policy reasons in chunks of ``chunk_tokens``; at each boundary the context is reset
+    to the prompt plus the last ``carry_tokens`` of the reasoning, for at most
+    ``max_chunks`` chunks (``rlpt.sampling.chunked``). Each chunk is one row of the PPO
+    batch and shares its trace's advantage, so no forward pass sees more than one window.
+
+    The length curriculum: ``budgets`` are chunk budgets used in turn, the first from the
+    start of the PPO stage and budget ``i + 1`` from PPO step ``budget_steps[i]`` on; empty
+    ``budgets`` means ``max_chunks`` throughout. ``max_chunks`` bounds every budget and
+    sets the evaluation's budget.
+    """
+
+    enabled: bool = False
+    chunk_tokens: int = 64
+    carry_tokens: int = 32
+    max_chunks: int = 4
+    budgets: tuple[int, ...] = ()
+    budget_steps: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        path = "rollout.chunked_reasoning"
+        _at_least(f"{path}.chunk_tokens", self.chunk_tokens, 1)
+        _at_least(f"{path}.carry_tokens", self.carry_tokens, 0)
+        # The carry is the state a chunk hands on; at C or more a chunk could only copy.
+        _check(self.carry_tokens < self.chunk_tokens, f"{path}.carry_tokens",
+               f"< {path}.chunk_tokens ({self.chunk_tokens})", self.carry_tokens)  # fmt: skip
+        _at_least(f"{path}.max_chunks", self.max_chunks, 1)
+        for i, budget in enumerate(self.budgets):
+            _check(1 <= budget <= self.max_chunks, f"{path}.budgets[{i}]",
+                   f"in [1, {path}.max_chunks = {self.max_chunks}]", budget)  # fmt: skip
+        want = max(len(self.budgets) - 1, 0)
+        _check(len(self.budget_steps) == want, f"{path}.budget_steps",
+               f"{want} PPO steps (one per budget after the first)", self.budget_steps)  # fmt: skip
+        steps = list(self.budget_steps)
+        ok = all(x >= 1 for x in steps) and steps == sorted(set(steps))
+        _check(ok, f"{path}.budget_steps", "strictly increasing steps >= 1", self.budget_steps)
+
+    def budget(self, stage_step: int) -> int:
+        """The chunk budget of PPO step ``stage_step`` (0-based within the PPO stage)."""
+        if not self.budgets:
+            return self.max_chunks
+        passed = sum(stage_step >= s for s in self.budget_steps)
+        return self.budgets[passed]
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutSection:
     batch_size: int = 64  # sequences per PPO step
     group_size: int = 8  # samples per prompt (GRPO groups)
@@ -221,6 +269,9 @@ class RolloutSection:
     # "static": the batch decodes in lockstep until its longest row is done.
     sampler: str = "engine"
     slots: int = 64
+    chunked_reasoning: ChunkedReasoningSection = dataclasses.field(
+        default_factory=ChunkedReasoningSection
+    )
 
     def __post_init__(self):
         for name in ("batch_size", "group_size", "max_new_tokens", "filter_max_rounds", "slots"):
@@ -640,6 +691,7 @@ class PostTrainConfig:
             _at_least("ppo.total_steps", self.ppo.total_steps, 0)
         self._check_ppo_against_rollout()
         self._check_learned_rewards()
+        self._check_chunked_reasoning()
         if self.async_rl.enabled and self.rollout.filter_groups:
             raise ConfigError(
                 "rollout.filter_groups must be False with async_rl.enabled (groups are trained on "
@@ -745,6 +797,25 @@ class PostTrainConfig:
             raise ConfigError(
                 "ppo.sampling_temperature is taken from rollout.temperature "
                 f"({_fmt(r.temperature)}); set that instead, got {_fmt(ppo.sampling_temperature)}"
+            )
+
+    def _check_chunked_reasoning(self) -> None:
+        if not self.rollout.chunked_reasoning.enabled:
+            return
+        path = "rollout.chunked_reasoning.enabled"
+        if self.ppo.estimator not in GROUP_ESTIMATORS or self.ppo.step_advantages:
+            raise ConfigError(
+                f"{path} needs ppo.estimator one of {GROUP_ESTIMATORS} without "
+                f"ppo.step_advantages (chunks share their trace's advantage), got "
+                f"{self.ppo.estimator!r}"
+                + (" with step_advantages" if self.ppo.step_advantages else "")
+            )
+        if self.async_rl.enabled:
+            raise ConfigError(f"{path} does not run with async_rl.enabled yet")
+        if self.rewards.reward_model > 0 or self.rewards.process > 0:
+            raise ConfigError(
+                f"{path} does not take learned reward terms yet: set rewards.reward_model "
+                "and rewards.process to 0"
             )
 
     def _check_learned_rewards(self) -> None:
@@ -1031,6 +1102,7 @@ __all__ = [
     "RUN_CONTROL_FIELDS",
     "STAGES",
     "CheckpointSection",
+    "ChunkedReasoningSection",
     "ConfigError",
     "CurriculumSection",
     "DifficultySection",

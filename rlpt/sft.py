@@ -13,6 +13,13 @@ How long the warm start trains is a fixed rule, not a tuned number: it consumes 
 budget of completion tokens (``token_budget``), in a data order fixed by the seed.
 The learning rate warms up linearly and then stays constant, so "more SFT" (the
 continued-SFT control) is the same recipe run longer.
+
+With chunked reasoning (``rollout.chunked_reasoning``, Delethink) a demonstration longer
+than the model's window is cut into the examples chunked generation makes of it
+(``encode_chunked_example``): chunk ``k`` is the row ``<bos> prompt carry chunk``, where
+the carry is the last ``m`` completion tokens before the chunk, and the loss covers the
+chunk. The cuts come from ``rlpt.sampling.chunked.chunk_spans``, the function the PPO
+stage uses to rebuild rollouts' chunks, so supervised and RL rows are the same windows.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from jax.sharding import Mesh
 
 from rlpt.models.transformer import positions_from_mask
 from rlpt.parallel.sharding import DEFAULT_RULES, Rules
+from rlpt.sampling.chunked import chunk_spans
 from rlpt.supervised import Batch, SupervisedTrainer, TrainConfig
 from rlpt.tasks import Domain, stable_hash
 from rlpt.tokenizers import Tokenizer
@@ -130,6 +138,47 @@ def encode_example(
     return tokens, mask
 
 
+def chunked_examples(
+    prompt_ids: Sequence[int], completion_ids: Sequence[int], chunk_tokens: int, carry_tokens: int
+) -> list[tuple[list[int], list[int]]]:
+    """``(context, chunk)`` per chunk of a completion: the context chunked generation
+    feeds the model (prompt, then the last ``carry_tokens`` completion tokens before the
+    chunk) and the ``chunk_tokens`` (or fewer, at the end) it should write."""
+    prompt_ids, completion_ids = list(prompt_ids), list(completion_ids)
+    return [
+        (prompt_ids + completion_ids[carry_start:start], completion_ids[start:end])
+        for carry_start, start, end in chunk_spans(len(completion_ids), chunk_tokens, carry_tokens)
+    ]
+
+
+def encode_chunked_example(
+    tokenizer: Tokenizer,
+    prompt: str,
+    completion: str,
+    max_len: int,
+    *,
+    chunk_tokens: int,
+    carry_tokens: int,
+) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """One ``(tokens [max_len], loss_mask [max_len])`` row per chunk of the completion
+    (``chunked_examples``; the completion ends in ``<eos>`` as a finished trace does), or
+    None if a row is longer than ``max_len``. Rows are right-padded with positions from 0,
+    as the sampler's left-padded contexts are numbered."""
+    prompt_ids = tokenizer.encode(prompt, add_bos=True)
+    completion_ids = tokenizer.encode(completion, add_eos=True)
+    rows = []
+    for context, chunk in chunked_examples(prompt_ids, completion_ids, chunk_tokens, carry_tokens):
+        n = len(context) + len(chunk)
+        if n > max_len:
+            return None
+        tokens = np.full(max_len, tokenizer.pad_id, np.int32)
+        mask = np.zeros(max_len, np.int32)
+        tokens[:n] = context + chunk
+        mask[len(context) : n] = 1
+        rows.append((tokens, mask))
+    return rows
+
+
 def demonstration(domains: Mapping[str, Domain], levels: Mapping[str, int], seed: int, i: int):
     """Example ``i`` of the demonstration stream: ``(prompt, completion)``.
 
@@ -162,8 +211,11 @@ def read_jsonl_examples(path: str) -> list[tuple[str, str]]:
 class ExampleStream:
     """Encoded SFT batches in a fixed order, resumable by the example counter.
 
-    ``next_batch()`` gives ``(tokens, loss_mask, completion_tokens)``; ``position`` is
-    how many examples were consumed (store it to resume).
+    ``next_batch()`` gives ``(tokens, loss_mask, completion_tokens)``. With
+    ``chunk_tokens`` set, each example gives one row per chunk (``encode_chunked_example``)
+    and a batch may end inside an example. ``position`` is how many examples were started
+    and ``chunk_offset`` how many rows of the last one were used: store both to resume
+    (``seek``).
     """
 
     def __init__(
@@ -177,6 +229,8 @@ class ExampleStream:
         examples: Sequence[tuple[str, str]] | None = None,
         seed: int = 0,
         position: int = 0,
+        chunk_tokens: int | None = None,
+        carry_tokens: int = 0,
     ):
         if examples is None and not domains:
             raise ValueError("SFT needs domains to write demonstrations or a JSONL file")
@@ -187,8 +241,16 @@ class ExampleStream:
         self.levels = levels
         self.examples = list(examples) if examples is not None else None
         self.seed = seed
-        self.position = position
+        self.chunk_tokens = chunk_tokens
+        self.carry_tokens = carry_tokens
         self.too_long = 0
+        self.seek(position)
+
+    def seek(self, position: int, chunk_offset: int = 0) -> None:
+        """Resume after example ``position - 1``'s first ``chunk_offset`` rows."""
+        self.position = position
+        self.chunk_offset = chunk_offset
+        self._pending: list[tuple[np.ndarray, np.ndarray]] | None = None
 
     def _example(self, i: int) -> tuple[str, str]:
         if self.examples is not None:
@@ -199,30 +261,70 @@ class ExampleStream:
             return self.examples[perm[j]]
         return demonstration(self.domains, self.levels, self.seed, i)
 
+    def rows(self, i: int) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Example ``i``'s rows, or None if one is longer than ``max_len``."""
+        prompt, completion = self._example(i)
+        if self.chunk_tokens is None:
+            encoded = encode_example(self.tokenizer, prompt, completion, self.max_len)
+            return None if encoded is None else [encoded]
+        return encode_chunked_example(
+            self.tokenizer, prompt, completion, self.max_len,
+            chunk_tokens=self.chunk_tokens, carry_tokens=self.carry_tokens,
+        )  # fmt: skip
+
     def next_batch(self) -> tuple[np.ndarray, np.ndarray, int]:
+        if self._pending is None:
+            # After a seek: the rest of the example a batch ended in.
+            done = self.position > 0 and self.chunk_offset > 0
+            self._pending = (
+                (self.rows(self.position - 1) or [])[self.chunk_offset :] if done else []
+            )
         rows, masks = [], []
         skipped_in_a_row = 0
         while len(rows) < self.batch_size:
-            encoded = encode_example(self.tokenizer, *self._example(self.position), self.max_len)
-            self.position += 1
-            if encoded is None:
-                self.too_long += 1
-                skipped_in_a_row += 1
-                if skipped_in_a_row > 1000:
-                    raise ValueError(f"SFT examples keep exceeding sft.max_len={self.max_len}")
-                continue
-            skipped_in_a_row = 0
-            rows.append(encoded[0])
-            masks.append(encoded[1])
+            if not self._pending:
+                encoded = self.rows(self.position)
+                self.position += 1
+                self.chunk_offset = 0
+                if encoded is None:
+                    self.too_long += 1
+                    skipped_in_a_row += 1
+                    if skipped_in_a_row > 1000:
+                        raise ValueError(f"SFT examples keep exceeding sft.max_len={self.max_len}")
+                    continue
+                skipped_in_a_row = 0
+                self._pending = encoded
+            row, mask = self._pending.pop(0)
+            self.chunk_offset += 1
+            rows.append(row)
+            masks.append(mask)
         tokens, mask = np.stack(rows), np.stack(masks)
         return tokens, mask, int(mask.sum())
 
 
 def heldout_batch(
-    tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]], max_len: int
+    tokenizer: Tokenizer,
+    pairs: Sequence[tuple[str, str]],
+    max_len: int,
+    *,
+    chunk_tokens: int | None = None,
+    carry_tokens: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One batch of held-out examples for the held-out SFT loss (too-long ones dropped)."""
-    enc = [e for e in (encode_example(tokenizer, p, c, max_len) for p, c in pairs) if e]
+    """One batch of held-out examples for the held-out SFT loss (too-long ones dropped;
+    with ``chunk_tokens``, every chunk row of every example)."""
+    if chunk_tokens is None:
+        enc = [e for e in (encode_example(tokenizer, p, c, max_len) for p, c in pairs) if e]
+    else:
+        enc = [
+            row
+            for p, c in pairs
+            for row in encode_chunked_example(
+                tokenizer, p, c, max_len, chunk_tokens=chunk_tokens, carry_tokens=carry_tokens
+            )
+            or []
+        ]
+    if not enc:
+        raise ValueError(f"no held-out SFT example fits sft.max_len={max_len}")
     return np.stack([e[0] for e in enc]), np.stack([e[1] for e in enc])
 
 
@@ -231,7 +333,7 @@ def steps_for_budget(stream: ExampleStream, token_budget: int) -> int:
     probe = ExampleStream(
         stream.tokenizer, batch_size=stream.batch_size, max_len=stream.max_len,
         domains=stream.domains, levels=stream.levels, examples=stream.examples,
-        seed=stream.seed,
+        seed=stream.seed, chunk_tokens=stream.chunk_tokens, carry_tokens=stream.carry_tokens,
     )  # fmt: skip
     steps, seen = 0, 0
     while seen < token_budget:
@@ -242,7 +344,9 @@ def steps_for_budget(stream: ExampleStream, token_budget: int) -> int:
 
 __all__ = [
     "ExampleStream",
+    "chunked_examples",
     "demonstration",
+    "encode_chunked_example",
     "encode_example",
     "heldout_batch",
     "next_token_loss",

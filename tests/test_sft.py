@@ -8,6 +8,7 @@ import pytest
 
 from rlpt import sft
 from rlpt.models import CausalLM, create_model, get_preset
+from rlpt.sampling import SampleOutput, chunked_generate
 from rlpt.tasks import get_domain
 from rlpt.tokenizers import ByteTokenizer
 
@@ -81,3 +82,104 @@ def test_chunked_vocabulary_gives_the_same_loss_accuracy_and_gradients():
     assert float(metrics["token_accuracy"]) == float(dense_metrics["token_accuracy"])
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(dense_grads)):
         assert float(jax.numpy.abs(a - b).max()) <= 1e-5
+
+
+class ReplayGenerate:
+    """A sampler stand-in that writes fixed completions: the row whose context starts
+    with ``prompt`` writes the next tokens of ``completions[prompt]`` (which ends in
+    EOS) from where its previous call stopped."""
+
+    def __init__(self, completions):
+        self.completions = {tuple(p): list(c) for p, c in completions.items()}
+        self.written = dict.fromkeys(self.completions, 0)
+
+    def __call__(self, contexts, key, max_new_tokens):
+        del key
+        n = len(contexts)
+        out = SampleOutput(
+            np.full((n, max_new_tokens), TOK.pad_id, np.int32),
+            np.zeros((n, max_new_tokens), np.float32),
+            np.zeros((n, max_new_tokens), np.float32),
+            np.zeros(n, np.int32),
+            np.ones(n, bool),
+        )
+        for i, context in enumerate(contexts):
+            (prompt,) = [p for p in self.completions if tuple(context[: len(p)]) == p]
+            done = self.written[prompt]
+            new = self.completions[prompt][done : done + max_new_tokens]
+            self.written[prompt] = done + len(new)
+            out.tokens[i, : len(new)], out.mask[i, : len(new)] = new, 1.0
+            out.lengths[i] = len(new)
+            out.truncated[i] = new[-1] != TOK.eos_id
+        return out
+
+
+def _state_tracking_pairs(n):
+    domain = get_domain("state_tracking")
+    return [(t.prompt, domain.demonstration(t)) for t in domain.tasks("train", n, 2)]
+
+
+@pytest.mark.parametrize("chunk_tokens, carry_tokens", [(8, 5), (16, 0), (6, 5)])
+def test_chunked_sft_rows_are_the_windows_chunked_generation_makes(chunk_tokens, carry_tokens):
+    # Two demonstrations of different lengths, and one whose completion (with EOS) is
+    # exactly two chunks long, so its last chunk ends at a boundary.
+    pairs = _state_tracking_pairs(2) + [("p", "a" * (2 * chunk_tokens - 1))]
+    prompt_ids = [TOK.encode(p, add_bos=True) for p, _ in pairs]
+    completion_ids = [TOK.encode(c, add_eos=True) for _, c in pairs]
+    replay = ReplayGenerate(dict(zip(map(tuple, prompt_ids), completion_ids)))
+    traces = chunked_generate(
+        replay, prompt_ids, jax.random.key(0), chunk_tokens=chunk_tokens,
+        carry_tokens=carry_tokens, max_chunks=100,
+    )  # fmt: skip
+    for (prompt, completion), trace, ids in zip(pairs, traces, completion_ids):
+        assert trace.finished and trace.tokens.tolist() == ids  # the replay is faithful
+        windows = [(s.context.tolist(), s.tokens.tolist()) for s in trace.segments]
+        assert sft.chunked_examples(trace.prompt, ids, chunk_tokens, carry_tokens) == windows
+        rows = sft.encode_chunked_example(
+            TOK, prompt, completion, 64, chunk_tokens=chunk_tokens, carry_tokens=carry_tokens
+        )
+        assert len(rows) == len(windows)
+        for (tokens, mask), (context, chunk) in zip(rows, windows):
+            n = len(context) + len(chunk)
+            assert tokens[:n].tolist() == context + chunk
+            assert (tokens[n:] == TOK.pad_id).all()
+            assert mask.tolist() == [0] * len(context) + [1] * len(chunk) + [0] * (64 - n)
+    # The exact-boundary demonstration: two full chunks, the second ending in EOS.
+    assert [len(s.tokens) for s in traces[2].segments] == [chunk_tokens, chunk_tokens]
+
+
+def test_a_chunked_row_longer_than_max_len_drops_the_example():
+    prompt, completion = _state_tracking_pairs(1)[0]
+    widest = len(TOK.encode(prompt, add_bos=True)) + 4 + 8
+    kw = dict(chunk_tokens=8, carry_tokens=4)
+    assert sft.encode_chunked_example(TOK, prompt, completion, widest, **kw) is not None
+    assert sft.encode_chunked_example(TOK, prompt, completion, widest - 1, **kw) is None
+
+
+def test_chunked_stream_splits_examples_across_batches_and_resumes_inside_one():
+    domains = {"state_tracking": get_domain("state_tracking")}
+    kw = dict(batch_size=5, max_len=64, domains=domains, levels={"state_tracking": 2}, seed=3,
+              chunk_tokens=8, carry_tokens=5)  # fmt: skip
+    stream = sft.ExampleStream(TOK, **kw)
+    batches = [stream.next_batch() for _ in range(6)]
+    # The batches are every example's chunk rows in order, cut every 5 rows.
+    expected = [
+        row
+        for i in range(stream.position)
+        for row in sft.encode_chunked_example(
+            TOK, *sft.demonstration(domains, {"state_tracking": 2}, 3, i), 64,
+            chunk_tokens=8, carry_tokens=5,
+        )
+    ][:30]  # fmt: skip
+    assert np.array_equal(np.concatenate([b[0] for b in batches]), [r[0] for r in expected])
+    assert np.array_equal(np.concatenate([b[1] for b in batches]), [r[1] for r in expected])
+    assert [b[2] for b in batches] == [int(b[1].sum()) for b in batches]
+    # Resume from batch 3's state: the same next batches, even from inside an example.
+    stream = sft.ExampleStream(TOK, **kw)
+    for _ in range(3):
+        stream.next_batch()
+    assert stream.chunk_offset not in (0, len(stream.rows(stream.position - 1)))
+    resumed = sft.ExampleStream(TOK, **kw)
+    resumed.seek(stream.position, stream.chunk_offset)
+    for b in batches[3:]:
+        assert np.array_equal(resumed.next_batch()[0], b[0])

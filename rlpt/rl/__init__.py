@@ -7,6 +7,7 @@ from rlpt.rl.advantages import (
     process_group_advantages,
     rloo_advantages,
     sequence_to_tokens,
+    trace_advantages,
 )
 from rlpt.rl.batch import RolloutBatch, new_rollout_batch
 from rlpt.rl.gae import gae, whiten
@@ -75,6 +76,7 @@ __all__ = [
     "masked_mean",
     "policy_loss",
     "rloo_advantages",
+    "trace_advantages",
     "sequence_to_tokens",
     "token_entropy",
     "update_kl_controller",

@@ -168,6 +168,64 @@ def process_group_advantages(
     return to_go * mask * valid[:, None]
 
 
+def trace_advantages(
+    rewards: jax.Array,
+    mask: jax.Array,
+    row_trace: jax.Array,
+    trace_group: jax.Array,
+    row_valid: jax.Array,
+    *,
+    num_groups: int,
+    estimator: str,
+    eps: float = 1e-6,
+) -> jax.Array:
+    """Token advantages for rows that are chunks of longer traces (Delethink, Aghajohari
+    et al. 2025, arXiv:2510.06557): every chunk of a trace gets the trace's advantage.
+
+    A trace's reward is the sum of its rows' per-token rewards (the outcome on its last
+    chunk plus any per-token terms over all chunks), so it equals what the same
+    estimator would see for the unchunked trace; the group baseline is taken over
+    traces, not rows, so a long trace counts once in its group however many chunks it
+    has. A trace is valid when all its rows are.
+
+    Args:
+      rewards: `[R, T]` float per-token rewards of the rows.
+      mask: `[R, T]` response mask.
+      row_trace: `[R]` int trace of each row in [0, N); -1 (or any id outside) for
+        filler rows, which get 0.
+      trace_group: `[N]` int group of each trace, in [0, num_groups).
+      row_valid: `[R]` float, 1 for rows in the loss.
+      num_groups: G (static).
+      estimator: "grpo", "dr_grpo" or "rloo".
+
+    Returns:
+      `[R, T]` float32 advantages, zero outside ``mask`` and on filler rows.
+    """
+    chex.assert_rank([rewards, mask], 2)
+    chex.assert_equal_shape([rewards, mask])
+    chex.assert_rank([row_trace, trace_group, row_valid], 1)
+    num_traces = trace_group.shape[0]
+    real = (row_trace >= 0) & (row_trace < num_traces)
+    ids = jnp.where(real, row_trace, num_traces)  # filler rows fall outside every segment
+    row_reward = jnp.sum(rewards.astype(jnp.float32) * mask, axis=1)  # [R]
+    trace_reward = jax.ops.segment_sum(row_reward, ids, num_segments=num_traces)  # [N]
+    invalid_rows = jnp.where(real, (row_valid <= 0).astype(jnp.float32), 0.0)
+    trace_valid = jax.ops.segment_sum(invalid_rows, ids, num_segments=num_traces) == 0
+    has_rows = jax.ops.segment_sum(real.astype(jnp.float32), ids, num_segments=num_traces) > 0
+    trace_valid = (trace_valid & has_rows).astype(jnp.float32)  # [N]
+    if estimator == "rloo":
+        adv = rloo_advantages(trace_reward, trace_group, num_groups=num_groups, valid=trace_valid)
+    elif estimator in ("grpo", "dr_grpo"):
+        adv = grpo_advantages(
+            trace_reward, trace_group, num_groups=num_groups,
+            scale_by_std=estimator == "grpo", eps=eps, valid=trace_valid,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"trace advantages need a group estimator, got {estimator!r}")
+    row_adv = jnp.where(real, adv[jnp.clip(ids, 0, num_traces - 1)], 0.0)  # [R]
+    return sequence_to_tokens(row_adv, mask)
+
+
 def sequence_to_tokens(seq_values: jax.Array, mask: jax.Array) -> jax.Array:
     """Broadcast a per-sequence value to every real token: out[b, t] = v[b] * mask[b, t].
 

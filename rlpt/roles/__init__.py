@@ -11,10 +11,11 @@ trainer (``rlpt.trainers.post_train``) wires them together; none of them imports
 
 from rlpt.roles.learner import PPOLearner
 from rlpt.roles.reward import COUNTERS, RewardRole, make_rule_reward
-from rlpt.roles.rollout import RolloutWorker, Trajectories, Verdicts
+from rlpt.roles.rollout import ChunkedRolloutWorker, RolloutWorker, Trajectories, Verdicts
 
 __all__ = [
     "COUNTERS",
+    "ChunkedRolloutWorker",
     "PPOLearner",
     "RewardRole",
     "RolloutWorker",

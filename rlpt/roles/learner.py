@@ -20,8 +20,16 @@ from rlpt.models import ValueModel, create_model
 from rlpt.parallel import state_shardings
 from rlpt.parallel.multihost import abstract_on, to_device
 from rlpt.policy import full_policy
-from rlpt.rl import PPOConfig, PPOTrainer, RolloutBatch, init_train_state, new_rollout_batch
+from rlpt.rl import (
+    PPOConfig,
+    PPOTrainer,
+    RolloutBatch,
+    init_train_state,
+    new_rollout_batch,
+    trace_advantages,
+)
 from rlpt.roles.rollout import Trajectories
+from rlpt.sampling.chunked import ChunkRows, chunk_rows
 
 
 class PPOLearner:
@@ -137,6 +145,65 @@ class PPOLearner:
             imitation_weight=v.success, behaviour_logp=traj.logprobs[:, :width],
         )  # fmt: skip
         return batch, layout
+
+    def make_chunked_batch(
+        self,
+        traj: Trajectories,
+        group_id: np.ndarray,
+        *,
+        chunk_tokens: int,
+        carry_tokens: int,
+        max_chunks: int,
+        prompt_buckets: Sequence[int],
+        pad_id: int,
+        step_id: int,
+    ) -> tuple[RolloutBatch, dict[str, Any], ChunkRows]:
+        """Delethink's batch for chunked traces (``ChunkedRolloutWorker``): one row per
+        chunk, its context (prompt + carried tokens) as the prompt and the chunk as the
+        response, ``len(traj) * max_chunks`` rows (filler rows carry loss weight 0). The
+        outcome reward sits on each trace's last chunk; ``advantages(batch, rows)`` gives
+        every chunk its trace's advantage. Also returns the layout and the rows."""
+        v = traj.verdicts
+        prompts = [row[m] for row, m in zip(traj.prompt_tokens, traj.prompt_mask)]
+        rows = chunk_rows(
+            prompts, traj.tokens, traj.logprobs, traj.lengths, chunk_tokens=chunk_tokens,
+            carry_tokens=carry_tokens, max_chunks=max_chunks, buckets=prompt_buckets,
+            pad_id=pad_id,
+        )  # fmt: skip
+        real = rows.row_trace >= 0
+        t = np.where(real, rows.row_trace, 0)
+        context_tokens, context_mask = rows.context_tokens, rows.context_mask
+        layout = {"prompt_len": int(context_tokens.shape[1]), "width": chunk_tokens,
+                  "scored_tokens": None, "rows": int(real.sum())}  # fmt: skip
+        if self.cfg.pack_sequences:
+            layout["scored_tokens"] = int(context_mask[real].sum()) + int(rows.mask.sum())
+            extra = max(max(prompt_buckets) - context_tokens.shape[1], 0)
+            context_tokens = np.pad(context_tokens, ((0, 0), (extra, 0)), constant_values=pad_id)
+            context_mask = np.pad(context_mask, ((0, 0), (extra, 0)))
+        batch = new_rollout_batch(
+            context_tokens, context_mask, rows.tokens, rows.mask,
+            sequence_rewards=np.where(rows.last, v.rewards[t], 0.0),
+            loss_weight=np.where(real, (traj.loss_weight * v.weight)[t], 0.0),
+            group_id=np.where(real, np.asarray(group_id)[t], 0),
+            truncated=rows.last & traj.truncated[t], step_token_id=step_id,
+            imitation_weight=np.where(real, v.success[t], 0.0), behaviour_logp=rows.logprobs,
+        )  # fmt: skip
+        return batch, layout, rows
+
+    def chunked_advantages(
+        self, batch: RolloutBatch, rows: ChunkRows, group_id: np.ndarray
+    ) -> RolloutBatch:
+        """The estimator's terms (KL and overlong rewards, kept masks), then every chunk
+        row's advantage replaced by its trace's (``rlpt.rl.trace_advantages``)."""
+        batch = self.advantages(batch)
+        cfg = self.cfg
+        adv = trace_advantages(
+            batch.rewards, batch.response_mask, jnp.asarray(rows.row_trace),
+            jnp.asarray(np.asarray(group_id, np.int32)),
+            (batch.loss_weight > 0).astype(jnp.float32),
+            num_groups=cfg.num_groups or len(group_id), estimator=cfg.estimator,
+        )  # fmt: skip
+        return batch.replace(advantages=adv, returns=adv)
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         """Old, reference (and value) log-probs of the batch under the current state."""

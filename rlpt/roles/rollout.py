@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from rlpt.data.loader import PromptBatch
-from rlpt.sampling import Sampler, SamplingParams
+from rlpt.sampling import ChunkedSampler, Sampler, SamplingParams, traces_output
 from rlpt.tokenizers import Tokenizer, decode_response
 
 
@@ -145,6 +145,56 @@ class RolloutWorker:
             tokens=tokens, logprobs=np.asarray(out.logprobs), mask=np.asarray(out.mask),
             lengths=lengths, truncated=np.asarray(out.truncated),
             loss_weight=np.asarray(prompts.loss_weight),
+            domain_index=np.asarray(prompts.domain_index),
+            difficulty=np.asarray(prompts.difficulty),
+            policy_version=np.full(n, version, np.int32),
+        )  # fmt: skip
+
+
+class ChunkedRolloutWorker(RolloutWorker):
+    """Rollouts that reason in chunks with a bounded carry (Delethink; see
+    ``rlpt.sampling.chunked``). Each row of the ``Trajectories`` is a whole trace: its
+    tokens are every chunk concatenated, ``max_chunks * chunk_tokens`` columns, and
+    ``truncated`` marks traces that used up the budget. ``max_chunks`` is the current
+    budget, which the length curriculum changes between steps."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        tokenizer: Tokenizer,
+        *,
+        domain_names: Sequence[str],
+        chunk_tokens: int,
+        carry_tokens: int,
+        max_chunks: int,
+        sampling: SamplingParams,
+    ):
+        super().__init__(
+            sampler, tokenizer, domain_names=domain_names,
+            max_new_tokens=chunk_tokens * max_chunks, sampling=sampling,
+        )  # fmt: skip
+        self.chunked = ChunkedSampler(sampler, chunk_tokens=chunk_tokens, carry_tokens=carry_tokens)
+        self.max_chunks = max_chunks
+
+    def generate(
+        self, params, prompts: PromptBatch, key: jax.Array, *, version: int
+    ) -> Trajectories:
+        """Chunked traces for every row of ``prompts`` (the loader's padding removed)."""
+        rows = [row[m].tolist() for row, m in zip(np.asarray(prompts.tokens),
+                                                   np.asarray(prompts.mask, bool))]  # fmt: skip
+        traces = self.chunked.traces(
+            params, rows, key, max_chunks=self.max_chunks, sampling=self.sampling
+        )
+        self.max_new_tokens = self.chunked.chunk_tokens * self.max_chunks
+        out = traces_output(traces, self.max_new_tokens, self.tokenizer.pad_id)
+        n = len(rows)
+        texts = [decode_response(self.tokenizer, out.tokens[i, : out.lengths[i]]) for i in range(n)]
+        return Trajectories(
+            prompt_tokens=np.asarray(prompts.tokens), prompt_mask=np.asarray(prompts.mask, bool),
+            tasks=list(prompts.tasks),
+            names=[self.domain_names[d] for d in prompts.domain_index], texts=texts,
+            tokens=out.tokens, logprobs=out.logprobs, mask=out.mask, lengths=out.lengths,
+            truncated=out.truncated, loss_weight=np.asarray(prompts.loss_weight),
             domain_index=np.asarray(prompts.domain_index),
             difficulty=np.asarray(prompts.difficulty),
             policy_version=np.full(n, version, np.int32),

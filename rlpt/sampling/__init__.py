@@ -1,5 +1,16 @@
 """Generation: sampling methods, the static KV-cache sampler and the rollout engine."""
 
+from rlpt.sampling.chunked import (
+    ChunkedSampler,
+    ChunkedTrace,
+    ChunkRows,
+    ChunkSegment,
+    chunk_rows,
+    chunk_spans,
+    chunked_generate,
+    sampler_generate_fn,
+    traces_output,
+)
 from rlpt.sampling.engine import Completion, Engine, Request, RequestParams
 from rlpt.sampling.engine_sampler import SAMPLERS, EngineSampler, make_sampler
 from rlpt.sampling.methods import GREEDY, SamplingParams, sample_tokens, sampling_log_probs
@@ -13,6 +24,15 @@ from rlpt.sampling.sampler import (
 )
 
 __all__ = [
+    "ChunkRows",
+    "ChunkSegment",
+    "ChunkedSampler",
+    "ChunkedTrace",
+    "chunk_rows",
+    "chunk_spans",
+    "chunked_generate",
+    "sampler_generate_fn",
+    "traces_output",
     "SAMPLERS",
     "EngineSampler",
     "make_sampler",

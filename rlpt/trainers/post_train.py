@@ -37,7 +37,7 @@ from absl import logging
 from rlpt import checkpoint as ckpt_lib
 from rlpt import policy as policy_lib
 from rlpt import sft as sft_lib
-from rlpt.config import RUN_CONTROL_FIELDS, PostTrainConfig, parse_config
+from rlpt.config import RUN_CONTROL_FIELDS, ConfigError, PostTrainConfig, parse_config
 from rlpt.data import Curriculum, CurriculumLoader, make_source
 from rlpt.eval import Evaluator, make_eval_data
 from rlpt.metrics import (
@@ -53,9 +53,16 @@ from rlpt.parallel import make_mesh
 from rlpt.parallel.multihost import to_global
 from rlpt.policy import RUN_CONFIG_FILE, full_policy
 from rlpt.rewards.learned import LearnedRewards
-from rlpt.roles import COUNTERS, PPOLearner, RewardRole, RolloutWorker, make_rule_reward
+from rlpt.roles import (
+    COUNTERS,
+    ChunkedRolloutWorker,
+    PPOLearner,
+    RewardRole,
+    RolloutWorker,
+    make_rule_reward,
+)
 from rlpt.runfiles import atomic_write_json, check_workdir, read_json, set_aside_run_files
-from rlpt.sampling import SamplingParams, make_sampler
+from rlpt.sampling import ChunkedSampler, SamplingParams, make_sampler
 from rlpt.sandbox import pool_from_config
 from rlpt.tasks import Verifier
 from rlpt.trainers import learned_rewards, outputs
@@ -155,10 +162,28 @@ class PostTrainRun:
         self.learned.mesh = self.mesh
         self.reward = RewardRole(verifier, rule_reward, self.learned, self.meta["counters"])
 
+        # Chunked reasoning (Delethink): rollouts and evaluation reason in chunks, each call
+        # one window of prompt + carry + chunk; evaluation uses the full budget.
+        chunking = config.rollout.chunked_reasoning
+        eval_sampler, eval_max_new = self.sampler, config.rollout.max_new_tokens
+        if chunking.enabled:
+            window = max(buckets) + chunking.chunk_tokens
+            if window > self.model_cfg.max_seq_len:
+                raise ConfigError(
+                    f"rollout.chunked_reasoning.chunk_tokens ({chunking.chunk_tokens}) plus the "
+                    f"largest of rollout.buckets ({max(buckets)}, prompt + carry) must fit "
+                    f"model.max_seq_len ({self.model_cfg.max_seq_len}), got {window}"
+                )
+            eval_sampler = ChunkedSampler(
+                self.sampler, chunk_tokens=chunking.chunk_tokens,
+                carry_tokens=chunking.carry_tokens,
+            )  # fmt: skip
+            eval_max_new = chunking.chunk_tokens * chunking.max_chunks
+
         # Evaluation.
         evaluator = Evaluator(
-            self.sampler, self.tokenizer, verifier,
-            max_new_tokens=config.rollout.max_new_tokens, chunk_size=config.eval.batch_size,
+            eval_sampler, self.tokenizer, verifier,
+            max_new_tokens=eval_max_new, chunk_size=config.eval.batch_size,
         )  # fmt: skip
         self.eval_sets = make_eval_data(config, self.domains)
         self.evaluation = RunEvaluation(
@@ -167,11 +192,17 @@ class PostTrainRun:
         )  # fmt: skip
 
         # SFT: demonstrations and their fixed length (the token budget decides the steps).
+        # With chunked reasoning a demonstration becomes the rows chunked generation makes
+        # of it, so SFT trains the same windows as PPO and can warm-start a chunked run.
         s = config.sft
         examples = sft_lib.read_jsonl_examples(s.jsonl) if s.jsonl else None
+        chunk_kw = {}
+        if chunking.enabled:
+            chunk_kw = {"chunk_tokens": chunking.chunk_tokens,
+                        "carry_tokens": chunking.carry_tokens}  # fmt: skip
         stream = sft_lib.ExampleStream(
             self.tokenizer, batch_size=s.batch_size, max_len=s.max_len, domains=self.domains,
-            levels=self.levels, examples=examples, seed=config.seed,
+            levels=self.levels, examples=examples, seed=config.seed, **chunk_kw,
         )  # fmt: skip
         heldout_pairs = [
             (t.prompt, self.domains[t.domain].demonstration(t))
@@ -181,7 +212,7 @@ class PostTrainRun:
         self.sft = SFTStage(
             s, stream, init_params=self.init_params, base_params=self.base_params,
             policy_graph=self.policy_graph, evaluation=self.evaluation,
-            heldout=sft_lib.heldout_batch(self.tokenizer, heldout_pairs, s.max_len),
+            heldout=sft_lib.heldout_batch(self.tokenizer, heldout_pairs, s.max_len, **chunk_kw),
             mesh=self.mesh,
         )  # fmt: skip
 
@@ -195,11 +226,18 @@ class PostTrainRun:
             base_params=self.base_params, lora=self.lora, mesh=learner_mesh,
         )  # fmt: skip
         self.loader = self._make_loader()
-        rollout = RolloutWorker(
-            self.sampler, self.tokenizer, domain_names=self.loader.names,
-            max_new_tokens=config.rollout.max_new_tokens,
-            sampling=SamplingParams(temperature=config.rollout.temperature),
-        )  # fmt: skip
+        sampling = SamplingParams(temperature=config.rollout.temperature)
+        if chunking.enabled:
+            rollout = ChunkedRolloutWorker(
+                self.sampler, self.tokenizer, domain_names=self.loader.names,
+                chunk_tokens=chunking.chunk_tokens, carry_tokens=chunking.carry_tokens,
+                max_chunks=chunking.budget(0), sampling=sampling,
+            )  # fmt: skip
+        else:
+            rollout = RolloutWorker(
+                self.sampler, self.tokenizer, domain_names=self.loader.names,
+                max_new_tokens=config.rollout.max_new_tokens, sampling=sampling,
+            )  # fmt: skip
         make_batch_kwargs = dict(
             prompt_buckets=self.sampler.buckets, pad_id=self.tokenizer.pad_id,
             step_id=self.tokenizer.step_id, max_new_tokens=config.rollout.max_new_tokens,
@@ -350,6 +388,7 @@ class PostTrainRun:
     def save(self) -> None:
         self.meta["loader"] = self.loader.get_state()
         self.meta["sft_position"] = self.sft.stream.position
+        self.meta["sft_chunk_offset"] = self.sft.stream.chunk_offset
         self.meta["elapsed_s"] = self._elapsed()
         self.meta["config"] = run_identity(self.config)
         self.meta["reward_monitor"] = self.learned.monitor_state()
@@ -410,7 +449,8 @@ class PostTrainRun:
         if self.learner.state is not None:
             self.learner.place()
         self.loader.set_state(meta["loader"])
-        self.sft.stream.position = int(meta["sft_position"])
+        # Checkpoints from before chunked SFT have no chunk offset: whole examples only.
+        self.sft.stream.seek(int(meta["sft_position"]), int(meta.get("sft_chunk_offset", 0)))
         self._elapsed_before = float(meta["elapsed_s"])
         self.writer.resume(step)
         if jax.process_index() == 0:

@@ -91,21 +91,46 @@ class PPOStage:
         t0 = time.perf_counter()
         step = ctx.step + 1
         ctx.profiler.start(step)
+        chunking = self.config.rollout.chunked_reasoning
+        if chunking.enabled:
+            # The length curriculum: this step's chunk budget.
+            self.rollout.max_chunks = chunking.budget(ctx.stage_step)
         ro = self.collect(step, ctx.keys["rollout"])
         up = ro.update
         t_collected = time.perf_counter()
-        batch, layout = self.learner.make_batch(up, ro.group_id, **self.make_batch_kwargs)
+        rows = None
+        if chunking.enabled:
+            # Rows for the ceiling (chunking.max_chunks), not this step's budget: the score
+            # and update programs compile once for the whole length curriculum; the
+            # unused rows are filler with zero loss weight.
+            batch, layout, rows = self.learner.make_chunked_batch(
+                up, ro.group_id, chunk_tokens=chunking.chunk_tokens,
+                carry_tokens=chunking.carry_tokens, max_chunks=chunking.max_chunks,
+                prompt_buckets=self.make_batch_kwargs["prompt_buckets"],
+                pad_id=self.make_batch_kwargs["pad_id"], step_id=self.make_batch_kwargs["step_id"],
+            )  # fmt: skip
+        else:
+            batch, layout = self.learner.make_batch(up, ro.group_id, **self.make_batch_kwargs)
         batch, learned_metrics, confidence = self.reward.assemble(batch, up)
         batch = self.learner.score(batch)
         # The sampler's log-probs against the scored ones, every step: the train/inference
         # mismatch that off-policy corrections (ppo.behaviour_correction) act on.
         mismatch = self.learner.trainer.mismatch(batch)
-        batch = self.learner.advantages(batch)
+        if rows is None:
+            batch = self.learner.advantages(batch)
+        else:
+            batch = self.learner.chunked_advantages(batch, rows, ro.group_id)
         jax.block_until_ready(batch.advantages)
         t_score = time.perf_counter()
         update_metrics = {**mismatch, **self.learner.update(batch)}
         adv, mask = to_host((batch.advantages, batch.response_mask))
         abs_adv = np.abs(adv * mask).sum(1) / np.maximum(mask.sum(1), 1.0)
+        if rows is not None:
+            # Per trace: every chunk of a trace has the trace's advantage.
+            per_trace = np.zeros(len(up))
+            real = rows.row_trace >= 0
+            np.maximum.at(per_trace, rows.row_trace[real], abs_adv[real])
+            abs_adv = per_trace
         # The curriculum hears of every valid sample in the update and of the uniform
         # groups left out of it, whose advantage is exactly zero.
         fed = Trajectories.concat([up, ro.left_out])
@@ -129,8 +154,11 @@ class PPOStage:
         metrics.update(self.rollout_metrics(ro))
         metrics.update(learned_metrics)
         metrics.update(self.loader.metrics())
+        if rows is not None:
+            metrics.update(self.chunk_metrics(up, rows))
         flops = rl_step_model_flops(
-            self.n_policy_params, len(up), layout["prompt_len"], layout["width"],
+            self.n_policy_params, layout.get("rows", len(up)), layout["prompt_len"],
+            layout["width"],
             int(up.lengths.sum()), epochs=cfg.epochs, critic=cfg.uses_critic,
             scored_tokens=layout["scored_tokens"],
         )  # fmt: skip
@@ -210,6 +238,19 @@ class PPOStage:
             update_informative_frac=min(len(informative), need) / need,
             generate_s=generate_s, verify_s=verify_s,
         )  # fmt: skip
+
+    def chunk_metrics(self, up: Trajectories, rows) -> dict[str, Any]:
+        """Chunked reasoning: the budget, chunks per trace and the longest context a
+        forward pass saw (prompt + carry + chunk), against the trace lengths."""
+        real = rows.row_trace >= 0
+        window = rows.context_mask.sum(1) + rows.mask.sum(1)
+        return {
+            "ppo/max_chunks": self.rollout.max_chunks,
+            "ppo/chunks_per_trace": float(real.sum()) / max(len(up), 1),
+            "ppo/trace_len_mean": float(np.mean(up.lengths)),
+            "ppo/trace_len_max": int(np.max(up.lengths)),
+            "ppo/window_max": int(window[real].max()),
+        }
 
     def rollout_metrics(self, ro: StepRollout) -> dict[str, Any]:
         """What the policy did this step: over every sample generated, whether or not

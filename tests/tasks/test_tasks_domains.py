@@ -10,7 +10,7 @@ from rlpt.tasks import (
     get_domain,
 )
 
-BUILTIN = ["arithmetic", "stepwise_math", "program_synthesis"]
+BUILTIN = ["arithmetic", "stepwise_math", "program_synthesis", "state_tracking"]
 
 
 def _verify(domain, tasks, completions, pool):
@@ -96,6 +96,7 @@ def test_wrong_answers_score_zero(name, any_pool):
         "arithmetic": lambda t: f"<answer>{int(t.answer) + 1}",
         "stepwise_math": lambda t: f"<answer>{int(t.answer) - 3}",
         "program_synthesis": lambda t: "<answer>lambda x: 'nope'",
+        "state_tracking": lambda t: f"<answer>{(int(t.answer) + 1) % 1000}",
     }[name]
     results = _verify(domain, tasks, [wrong(t) for t in tasks], any_pool)
     assert [r.reward for r in results] == [0.0] * len(tasks)

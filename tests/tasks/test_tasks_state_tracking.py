@@ -1,0 +1,99 @@
+"""State tracking: hand-worked iterations, step labels, level lengths, the split."""
+
+import pytest
+
+from rlpt.tasks import StateTrackingDomain, Task, get_domain, partition_of
+from rlpt.tasks.state_tracking import LEVEL_STEPS, iterate, parse_step
+from rlpt.tokenizers import ByteTokenizer
+
+DOMAIN = StateTrackingDomain()
+# x=417; x=(x+583)%1000 three times: 417+583 = 1000 -> 0; 0+583 = 583; 583+583 = 1166 -> 166.
+TASK = Task(
+    "s", "state_tracking", "x=417; x=(x+583)%1000; 3 times", 1, "166",
+    {"start": 417, "add": 583, "steps": 3, "answer_format": "number"},
+)  # fmt: skip
+
+
+def test_iterate_hand_worked():
+    assert iterate(417, 583, 3) == [417, 0, 583, 166]
+    assert iterate(999, 1, 2) == [999, 0, 1]
+
+
+def test_demonstration_hand_worked():
+    assert DOMAIN.demonstration(TASK) == "1:0<step>2:583<step>3:166<answer>166"
+    assert DOMAIN.verify(TASK, DOMAIN.demonstration(TASK)).correct
+
+
+@pytest.mark.parametrize(
+    "completion, labels",
+    [
+        ("1:0<step>2:583<step>3:166<answer>166", [True, True, True]),
+        ("1: 0<step> 2:583 <step>3:166<answer>166", [True, True, True]),
+        ("1:0<step>2:584<step>3:166<answer>166", [True, False, True]),
+        ("1:0<step>3:583<step>3:166<answer>166", [True, False, True]),  # wrong counter
+        ("1:0<step>2:583<step>3:166<step>4:749<answer>749", [True, True, True, False]),
+        ("0<step>583<answer>583", [False, False]),
+        ("<answer>166", []),
+    ],
+)
+def test_check_steps(completion, labels):
+    assert DOMAIN.check_steps(TASK, completion) == labels
+
+
+def test_parse_step():
+    assert parse_step("12:922") == (12, 922)
+    assert parse_step(" 3 : 7 ") == (3, 7)
+    assert parse_step("12-922") is None
+
+
+def test_verification():
+    assert DOMAIN.verify(TASK, "anything<answer>166").reward == 1.0
+    assert DOMAIN.verify(TASK, "1:0<answer>165").outcome == "wrong"
+    assert DOMAIN.verify(TASK, "1:0<step>2:583").outcome == "no_answer"
+
+
+def test_registered():
+    assert isinstance(get_domain("state_tracking"), StateTrackingDomain)
+
+
+def test_generated_task_matches_its_own_data():
+    for d in range(1, DOMAIN.max_difficulty + 1):
+        task = DOMAIN.generate("train", 5, d)
+        data = task.data
+        assert task.prompt == f"x={data['start']}; x=(x+{data['add']})%1000; {data['steps']} times"
+        assert 1 <= data["add"] <= 999 and 0 <= data["start"] <= 999
+        lo, hi = LEVEL_STEPS[d]
+        assert lo <= data["steps"] <= hi
+        values = iterate(data["start"], data["add"], data["steps"])
+        assert task.answer == str(values[-1])
+
+
+def test_reasoning_length_grows_with_level_and_prompt_stays_short():
+    tok = ByteTokenizer()
+    mean_len = {}
+    for d in range(1, DOMAIN.max_difficulty + 1):
+        tasks = DOMAIN.tasks("train", 10, d)
+        mean_len[d] = sum(len(tok.encode(DOMAIN.demonstration(t))) for t in tasks) / len(tasks)
+        assert max(len(tok.encode(t.prompt)) for t in tasks) <= 40
+    assert list(mean_len.values()) == sorted(mean_len.values())
+    assert mean_len[1] < 40  # the tiny demo's level
+    assert mean_len[4] > 300 and mean_len[6] > 1500  # many windows of a small model
+    # Level 5 has at least 128 steps: counter digits 9 + 180 + 87, 128 colons, 128
+    # separators and >= 128 value digits make >= 660 tokens, over 4 windows of 128.
+    assert LEVEL_STEPS[5][0] == 128
+    assert (
+        min(len(tok.encode(DOMAIN.demonstration(t))) for t in DOMAIN.tasks("train", 10, 5)) >= 660
+    )
+
+
+def test_problem_space_is_large_and_split_by_prompt():
+    # 1000 starts x 999 increments x at least 2 iteration counts per level.
+    assert min(hi - lo + 1 for lo, hi in LEVEL_STEPS.values()) >= 2
+    assert 1000 * 999 * 2 >= 10**6
+    heldout = DOMAIN.tasks("heldout", 300, 3)
+    train = DOMAIN.tasks("train", 2000, 3)
+    assert all(partition_of(t.prompt, DOMAIN.heldout_fraction) == "heldout" for t in heldout)
+    assert all(partition_of(t.prompt, DOMAIN.heldout_fraction) == "train" for t in train)
+    assert {t.prompt for t in heldout}.isdisjoint(t.prompt for t in train)
+    # 2000 draws from ~5.6M train prompts (7 counts at level 3) repeat about 0.36 times.
+    assert len({t.prompt for t in train}) >= len(train) - 3
