@@ -126,14 +126,6 @@ def evaluate_chunked(
     }
 
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "A post_train run directory.", required=False)
-_LEVELS = flags.DEFINE_list("levels", ["5", "6"], "Levels to evaluate.")
-_CHUNK_TOKENS = flags.DEFINE_list("chunk_tokens", None, "Chunk sizes C (default: the run's).")
-_ITEMS = flags.DEFINE_integer("items", 40, "Held-out items per level.")
-_BATCH = flags.DEFINE_integer("batch_size", 32, "Traces per generation call.")
-_SEED = flags.DEFINE_integer("seed", 1234, "Seed of the item draw.")
-
-
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -151,4 +143,12 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    # Flags only when run as a program: tests and notebooks import evaluate_chunked beside
+    # modules that define the same flag names (rlpt.train's --workdir).
+    _WORKDIR = flags.DEFINE_string("workdir", None, "A post_train run directory.", required=False)
+    _LEVELS = flags.DEFINE_list("levels", ["5", "6"], "Levels to evaluate.")
+    _CHUNK_TOKENS = flags.DEFINE_list("chunk_tokens", None, "Chunk sizes C (default: the run's).")
+    _ITEMS = flags.DEFINE_integer("items", 40, "Held-out items per level.")
+    _BATCH = flags.DEFINE_integer("batch_size", 32, "Traces per generation call.")
+    _SEED = flags.DEFINE_integer("seed", 1234, "Seed of the item draw.")
     app.run(main)
