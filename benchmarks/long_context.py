@@ -15,7 +15,9 @@
 - ``logprob_peak_bytes_16k_vocab152k``: the gradient of the summed log-probs and entropy
   of 16,384 tokens at the Qwen2-1.5B head (vocabulary 151,936, width 1,536, tied), the
   temporaries the computation holds beyond its inputs and the gradients it returns;
-  chunked (``vocab_chunk``) against dense.
+  chunked (``--logprob_chunks``, the first is the headline) against dense. A chunk holds
+  a few [chunk, V] float32 arrays at once (logits, softmax, their cotangents): 512 tokens
+  keep 16k tokens under 2 GiB at this vocabulary, 1024 do not.
 - ``grad_max_abs_diff_chunked_vs_dense``: float32 gradients of the same loss through the
   chunked and dense heads (2,048 tokens, vocabulary 32,768), max abs difference over the
   hidden states and the projection.
@@ -54,6 +56,11 @@ _DENSE_MAX = flags.DEFINE_integer(
     "dense_max", 32768, "Longest length compiled on the dense path (its compile is slow)."
 )
 _VOCAB_CHUNK = flags.DEFINE_integer("vocab_chunk", 1024, "Tokens per vocabulary chunk.")
+_LOGPROB_CHUNKS = flags.DEFINE_list(
+    "logprob_chunks",
+    ["512", "1024"],
+    "Vocabulary chunks of the 16k x 152k log-prob measurement; the first is the headline.",
+)
 _BLOCK = flags.DEFINE_integer("block", 512, "Blockwise attention block.")
 _SPEED_LENGTH = flags.DEFINE_integer("speed_length", 8192, "Length of the speed comparison.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs of the speed comparison.")
@@ -177,8 +184,8 @@ def main(argv):
 
     qwen = get_preset("qwen2-1.5b")
     logprob = {
-        "chunked": _logprob_temp_bytes(_VOCAB_CHUNK.value, 16384, qwen.vocab_size, qwen.d_model),
-        "dense": _logprob_temp_bytes(0, 16384, qwen.vocab_size, qwen.d_model),
+        chunk: _logprob_temp_bytes(int(chunk), 16384, qwen.vocab_size, qwen.d_model)
+        for chunk in _LOGPROB_CHUNKS.value + ["0"]
     }
     speed = _attention_speed(_SPEED_LENGTH.value)
     if _PLOT.value:
@@ -190,8 +197,9 @@ def main(argv):
                 "memory_ratio_32k_over_4k": ratio(linear),
                 "dense_memory_ratio_32k_over_4k": ratio(dense),
                 "longest_update_that_fits_24gib": longest,
-                "logprob_peak_bytes_16k_vocab152k": logprob["chunked"],
-                "dense_logprob_peak_bytes_16k_vocab152k": logprob["dense"],
+                "logprob_peak_bytes_16k_vocab152k": logprob[_LOGPROB_CHUNKS.value[0]],
+                "logprob_peak_bytes_by_chunk": {k: v for k, v in logprob.items() if k != "0"},
+                "dense_logprob_peak_bytes_16k_vocab152k": logprob["0"],
                 "grad_max_abs_diff_chunked_vs_dense": _grad_diff(),
                 "blockwise_vs_dense_speed_8k": round(speed["dense"] / speed["blockwise"], 3),
                 "attention_8k_s": {k: round(v, 3) for k, v in speed.items()},
