@@ -209,7 +209,7 @@ BAD_POST_TRAIN = [
     (
         {"domains": ("arithmetc",)},
         "domains[0] names an unknown domain 'arithmetc'; did you mean 'arithmetic'? registered: "
-        "arithmetic, humaneval, program_synthesis, reasoning_gym, safety, stepwise_math "
+        "arithmetic, humaneval, program_synthesis, reasoning_gym, safety, state_tracking, stepwise_math "
         "(or an import path 'pkg.module:attr')",
     ),
     (
