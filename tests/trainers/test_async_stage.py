@@ -2,7 +2,6 @@
 4 of the 8 host devices, the learner on the other 4; a run stopped between checkpoints and
 rerun with the same command trains on every prompt exactly once."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -15,25 +14,13 @@ import pytest
 from rlpt import train
 from rlpt.checkpoint import latest_checkpoint_meta
 from rlpt.config import ConfigError, parse_config
+from tests.trainers.experiment_configs import experiment_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _config(**overrides):
-    spec = importlib.util.spec_from_file_location(
-        "demo_async", os.path.join(REPO_ROOT, "experiments/demo_async.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config("runlocal")
-    config.ppo_steps = 5
-    for key, value in overrides.items():
-        node = config
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return config
+    return experiment_config("demo_async", **{"ppo_steps": 5, **overrides})
 
 
 def _ppo_lines(workdir):

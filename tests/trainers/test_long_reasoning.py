@@ -1,6 +1,5 @@
 """Chunked reasoning in the post_train trainer: config checks and a tiny SFT + PPO run."""
 
-import importlib.util
 import json
 import math
 import os
@@ -10,24 +9,13 @@ import pytest
 from rlpt import chunked_eval
 from rlpt.config import ConfigError, parse_config
 from rlpt.trainers import post_train
+from tests.trainers.experiment_configs import experiment_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _config(**overrides):
-    spec = importlib.util.spec_from_file_location(
-        "long_reasoning", os.path.join(REPO_ROOT, "experiments/long_reasoning.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config("runlocal")
-    for key, value in overrides.items():
-        node = config
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return config
+    return experiment_config("long_reasoning", **overrides)
 
 
 C = "rollout.chunked_reasoning"

@@ -22,23 +22,13 @@ from rlpt.config import parse_config
 from rlpt.rl import PPOTrainer
 from rlpt.roles import RewardRole
 from rlpt.trainers import post_train
+from tests.trainers.experiment_configs import experiment_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _demo_config(**overrides):
-    spec = importlib.util.spec_from_file_location(
-        "demo", os.path.join(REPO_ROOT, "experiments/demo.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config("runlocal")
-    for key, value in overrides.items():
-        node = config
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
+    config = experiment_config("demo", **overrides)
     config.lock()
     return config
 
