@@ -128,13 +128,21 @@ def encode_example(
     """(tokens [max_len], loss_mask [max_len]) for one example, or None if it is too long."""
     prompt_ids = tokenizer.encode(prompt, add_bos=True)
     completion_ids = tokenizer.encode(completion, add_eos=True)
-    n = len(prompt_ids) + len(completion_ids)
+    return _padded_row(tokenizer.pad_id, prompt_ids, completion_ids, max_len)
+
+
+def _padded_row(
+    pad_id: int, context: Sequence[int], targets: Sequence[int], max_len: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``context + targets`` right-padded to ``max_len`` and the mask of the targets, or None
+    if they do not fit."""
+    n = len(context) + len(targets)
     if n > max_len:
         return None
-    tokens = np.full(max_len, tokenizer.pad_id, np.int32)
+    tokens = np.full(max_len, pad_id, np.int32)
     mask = np.zeros(max_len, np.int32)
-    tokens[:n] = prompt_ids + completion_ids
-    mask[len(prompt_ids) : n] = 1
+    tokens[:n] = list(context) + list(targets)
+    mask[len(context) : n] = 1
     return tokens, mask
 
 
@@ -168,14 +176,10 @@ def encode_chunked_example(
     completion_ids = tokenizer.encode(completion, add_eos=True)
     rows = []
     for context, chunk in chunked_examples(prompt_ids, completion_ids, chunk_tokens, carry_tokens):
-        n = len(context) + len(chunk)
-        if n > max_len:
+        row = _padded_row(tokenizer.pad_id, context, chunk, max_len)
+        if row is None:
             return None
-        tokens = np.full(max_len, tokenizer.pad_id, np.int32)
-        mask = np.zeros(max_len, np.int32)
-        tokens[:n] = context + chunk
-        mask[len(context) : n] = 1
-        rows.append((tokens, mask))
+        rows.append(row)
     return rows
 
 
