@@ -37,6 +37,10 @@ _SEQ = flags.DEFINE_integer("seq", 512, "Sequence length (prompt + response).")
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per update.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "Compute dtype.")
 _REMAT = flags.DEFINE_bool("remat", False, "Rematerialise each block in the backward pass.")
+_ATTENTION = flags.DEFINE_enum(
+    "attention", "dense", ["dense", "blockwise", "dot_product", "auto"], "Attention kernel."
+)
+_ATTENTION_BLOCK = flags.DEFINE_integer("attention_block", 512, "Blockwise attention block.")
 _GRAD_ACCUM = flags.DEFINE_integer("grad_accum", 1, "Microbatches per minibatch.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed updates.")
 
@@ -54,6 +58,7 @@ def main(argv):
         vocab_size=BYTE_VOCAB_SIZE, d_model=_D_MODEL.value, n_layers=_LAYERS.value,
         n_heads=_HEADS.value, n_kv_heads=_HEADS.value, ffn_dim=_FFN.value,
         max_seq_len=_SEQ.value, dtype=_DTYPE.value, remat=_REMAT.value,
+        attention=_ATTENTION.value, attention_block=_ATTENTION_BLOCK.value,
     )  # fmt: skip
     batch, seq = _BATCH.value, _SEQ.value
     prompt_len = seq // 4
@@ -91,7 +96,7 @@ def main(argv):
             {
                 "d_model": cfg.d_model, "layers": cfg.n_layers, "heads": cfg.n_heads,
                 "ffn": cfg.ffn_dim, "seq": seq, "batch": batch, "dtype": cfg.dtype,
-                "remat": cfg.remat, "grad_accum": ppo.grad_accum,
+                "remat": cfg.remat, "grad_accum": ppo.grad_accum, "attention": cfg.attention,
                 "model_gflop_per_step": round(flops / 1e9, 1),
                 "compile_s": round(first_s - step_s, 2),
                 "step_s": round(step_s, 3),
