@@ -528,6 +528,12 @@ class Transformer(nnx.Module):
         )  # fmt: skip
         if cfg.sparse_attention == "moba":
             kernel, attn_mask = "moba", info
+        elif cache is None and context_parallelism(tokens.shape[1]):
+            # Rows split over devices: attention builds its mask shard by shard.
+            kernel = attn_lib.resolve_kind(cfg.attention)
+            attn_mask = ContextMask(
+                mask, segment_ids, positions, cfg.sliding_window, cfg.attention_sinks
+            )
         elif cache is None:
             kernel = attn_lib.resolve_kind(cfg.attention)
             # The dense and dot_product kernels share one materialised mask across layers.
@@ -535,11 +541,6 @@ class Transformer(nnx.Module):
         else:
             # Decoding reads T (usually 1) queries against the cache: a materialised mask.
             kernel, attn_mask = "dense", attn_lib.visible(info)
-        if cache is None and kernel != "moba" and context_parallelism(tokens.shape[1]):
-            # Rows split over devices: attention builds its mask shard by shard.
-            attn_mask = ContextMask(
-                mask, segment_ids, positions, cfg.sliding_window, cfg.attention_sinks
-            )
         if isinstance(cache, KVCache) and cache.window:
             ring_write = cache.ring_slots(positions, mask)
         x = jnp.take(self.embedding[...], tokens, axis=0)
