@@ -7,8 +7,14 @@ environment variables at import time (pytest imports conftest first).
 import os
 import tempfile
 
+# Tests compile far more than they run (tiny models): LLVM's optimisation passes are a
+# third of each compile, and the code they would speed up runs for milliseconds. The HLO
+# passes (fusion, sharding, buffer assignment) are untouched, so the memory tests hold.
+# Subprocesses started by tests inherit these flags (multi-process tests swap only the
+# device count).
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

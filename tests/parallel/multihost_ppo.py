@@ -23,7 +23,14 @@ def _log(msg):
 
 out_path, process_id, num_processes, port, ckpt_dir = sys.argv[1:6]
 process_id, num_processes = int(process_id), int(num_processes)
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // num_processes}"
+# The test run's other XLA flags carry over; only the device count is this process's own.
+_inherited = [
+    flag for flag in os.environ.get("XLA_FLAGS", "").split()
+    if not flag.startswith("--xla_force_host_platform_device_count")
+]  # fmt: skip
+os.environ["XLA_FLAGS"] = " ".join(
+    [*_inherited, f"--xla_force_host_platform_device_count={8 // num_processes}"]
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

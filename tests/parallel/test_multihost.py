@@ -18,7 +18,8 @@ def _free_port() -> int:
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    # The script sets its own device count and platform; other XLA flags carry over.
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.dirname(SCRIPT))), env.get("PYTHONPATH", "")]
     )

@@ -28,9 +28,12 @@ def _free_port() -> int:
 
 def _run_two_processes(workdir, *extra):
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=REPO_ROOT)  # fmt: skip
+    # Four devices a process; the test run's other XLA flags carry over.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
+    env = dict(os.environ)
+    env.update(XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=4"]),
+               JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT)  # fmt: skip
     procs = [
         subprocess.Popen(
             [

@@ -1,6 +1,7 @@
 """The PPO update: exactness properties, sharding equivalence, guards and a learning check."""
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -412,10 +413,17 @@ def test_step_advantages_config_errors(fields, message):
         PPOConfig(**fields)
 
 
+@functools.cache
+def _trainer(cfg):
+    # One trainer per config, so a config used twice traces and compiles its steps once.
+    policy_graph, _, value_graph, _, _ = _models()
+    return PPOTrainer(cfg, policy_graph, value_graph if cfg.uses_critic else None)
+
+
 def _scored_twice(cfg, batch):
     """Score and update ``batch`` once under ``cfg`` from the same initial state."""
-    policy_graph, policy, value_graph, value, ref = _models()
-    trainer = PPOTrainer(cfg, policy_graph, value_graph if cfg.uses_critic else None)
+    _, policy, _, value, ref = _models()
+    trainer = _trainer(cfg)
     state = trainer.shard_state(init_train_state(cfg, policy, value, jax.random.key(5)))
     scored = trainer.advantages(state, trainer.score(state, ref, batch))
     new_state, metrics = trainer.update(state, scored)
