@@ -48,10 +48,15 @@ setup(
             "ruff",
             # The tests run the sandbox's Ray backend on a local ray.init (an 80 MB wheel).
             "ray",
+            # The optional domains' own tests: free-form math answers and reasoning-gym.
+            "math-verify",
+            "reasoning-gym",
         ],
         # Sandbox workers on a Ray cluster: make_pool(backend="ray").
         "ray": ["ray"],
         "reasoning": ["reasoning-gym"],
+        # Free-form math answers (the fractions domain, the math_verify reward).
+        "math": ["math-verify"],
         "cuda": ["jax[cuda12]"],
         "tpu": ["jax[tpu]"],
         # CPU-only torch: an unpinned torch pulls several GB of GPU libraries.

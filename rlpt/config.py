@@ -486,11 +486,15 @@ class EvalSection:
     batch_size: int = 200
     log_samples: int = 8
     seed: int = 1234
+    # Where the held-out set is drawn from: the whole held-out partition, or its
+    # "validation" half (choose settings on it) or "test" half (report on it, once).
+    heldout_split: str = "heldout"
 
     def __post_init__(self):
         for name in ("heldout_items", "ood_items", "train_items", "n_samples", "every",
                      "periodic_items", "log_samples"):  # fmt: skip
             _at_least(f"eval.{name}", getattr(self, name), 0)
+        _choice("eval.heldout_split", self.heldout_split, ("heldout", "validation", "test"))
         _at_least("eval.batch_size", self.batch_size, 1)
         # As rlpt.eval.check_sampling: pass@1 is the greedy score, so sampled k starts at 2.
         if self.n_samples and self.k < 2:

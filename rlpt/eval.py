@@ -48,6 +48,8 @@ from rlpt.tokenizers import Tokenizer, decode_response
 # "train" (off unless asked for) scores training-partition items the same way: its gap to
 # "heldout" shows how much of a domain the policy has memorised rather than learnt.
 SPLITS = ("heldout", "ood", "train")
+# What the set named "heldout" may be drawn from (``eval.heldout_split``).
+HELDOUT_SPLITS = ("heldout", "validation", "test")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -117,26 +119,39 @@ def make_eval_sets(
     ood_items: int,
     seed: int,
     train_items: int = 0,
+    heldout_split: str = "heldout",
 ) -> dict[str, dict[str, list[Task]]]:
     """``{split: {domain: tasks}}``: held-out items spread evenly over levels
     ``1..train_max_level[d]``; OOD items at ``train_max_level[d] + 1`` (omitted where
     the domain has no such level); with ``train_items > 0``, training-partition items
     spread over the same levels as the held-out ones. Prompts are distinct within a
-    level where its partition allows (``_distinct``)."""
+    level where its partition allows (``_distinct``).
+
+    ``heldout_split`` is where the set named ``heldout`` draws from: the whole held-out
+    partition, or one of its halves (``validation`` while settings are being chosen,
+    ``test`` once, for the result). A domain's own out-of-distribution splits
+    (``Domain.extra_splits``: held-out compositions, longer programs) get ``ood_items``
+    each, over the training levels."""
     counts = {"heldout_items": heldout_items, "ood_items": ood_items, "train_items": train_items}
     for field, count in counts.items():
         if count < 0:
             raise ValueError(f"eval.{field} must be >= 0, got {count}")
+    if heldout_split not in HELDOUT_SPLITS:
+        raise ValueError(
+            f"eval.heldout_split must be one of {HELDOUT_SPLITS}, got {heldout_split!r}"
+        )
     sets: dict[str, dict[str, list[Task]]] = {"heldout": {}, "ood": {}}
     if train_items > 0:
         sets["train"] = {}
     for name, domain in domains.items():
         top = int(train_max_level[name])
-        sets["heldout"][name] = _over_levels(domain, "heldout", heldout_items, top, seed)
+        sets["heldout"][name] = _over_levels(domain, heldout_split, heldout_items, top, seed)
         if ood_items > 0 and top + 1 <= domain.max_difficulty:
             sets["ood"][name] = _distinct(domain, "ood", ood_items, top + 1, seed)
         if train_items > 0:
             sets["train"][name] = _over_levels(domain, "train", train_items, top, seed)
+        for split in domain.extra_splits if ood_items > 0 else ():
+            sets.setdefault(split, {})[name] = _over_levels(domain, split, ood_items, top, seed)
     return sets
 
 
@@ -254,7 +269,10 @@ class Evaluator:
         samples: list[dict[str, Any]] = []
         greedy = SamplingParams(greedy=True)
         sampled = SamplingParams(temperature=self.temperature)
-        for s, split in enumerate(SPLITS):
+        # Domains' own OOD splits come after the common ones, so the common ones keep
+        # their keys (and samples) whatever else is evaluated.
+        extra = sorted(set(eval_sets) - set(SPLITS))
+        for s, split in enumerate((*SPLITS, *extra)):
             results[split] = {}
             for d, (name, tasks) in enumerate(sorted(eval_sets.get(split, {}).items())):
                 tasks = _spread(list(tasks), max_items) if max_items else list(tasks)
@@ -371,6 +389,7 @@ def evaluate_hf(
     batch_size: int,
     seed: int,
     train_items: int = 0,
+    heldout_split: str = "heldout",
 ) -> dict[str, Any]:
     """Evaluates a Hugging Face directory or an rlpt interop checkpoint (with ``adapter``)."""
     from rlpt.interop.checkpoint import load_for_sampling
@@ -380,7 +399,8 @@ def evaluate_hf(
         "train_max_level": {"default": max_level},
         "rollout": {"max_new_tokens": max_new_tokens, "buckets": DEFAULT_BUCKETS},
         "eval": {"heldout_items": heldout_items, "ood_items": ood_items, "train_items": train_items,
-                 "n_samples": n_samples, "k": k, "batch_size": batch_size, "seed": seed},
+                 "n_samples": n_samples, "k": k, "batch_size": batch_size, "seed": seed,
+                 "heldout_split": heldout_split},
     })  # fmt: skip
     domain_objs = policy_lib.make_domains(config)
     mcfg, graph, state, tokenizer = load_for_sampling(path, adapter=adapter)
@@ -393,13 +413,14 @@ def make_eval_data(config, domains):
     return make_eval_sets(
         domains, policy_lib.train_levels(config, domains), heldout_items=config.eval.heldout_items,
         ood_items=config.eval.ood_items, seed=config.eval.seed,
-        train_items=config.eval.train_items,
+        train_items=config.eval.train_items, heldout_split=config.eval.heldout_split,
     )  # fmt: skip
 
 
 # What `evaluate_checkpoint(eval_overrides=...)` may change: the item draw and how each
 # item is scored, never which domains or levels (those are the run's own).
 EVAL_OVERRIDES = (
+    "heldout_split",
     "seed",
     "heldout_items",
     "ood_items",
@@ -503,7 +524,7 @@ def main(argv: Sequence[str]) -> None:
             _HF.value, adapter=_ADAPTER.value, domains=_DOMAINS.value, max_level=_MAX_LEVEL.value,
             heldout_items=_HELDOUT.value, ood_items=_OOD.value, n_samples=_N_SAMPLES.value,
             k=_K.value, max_new_tokens=_MAX_NEW.value, batch_size=_BATCH.value, seed=_SEED.value,
-            train_items=_TRAIN.value,
+            train_items=_TRAIN.value, heldout_split=_HELDOUT_SPLIT.value,
         )  # fmt: skip
         path = _OUTPUT.value
     k = result["k"]
@@ -527,13 +548,18 @@ if __name__ == "__main__":
         "A LoRA adapter by name (DIR/adapters/NAME) or an adapter directory.",
     )  # fmt: skip
     # With --hf these set the evaluation; with --workdir the run's own config does, and
-    # --seed, --heldout_items, --ood_items, --train_items, --n_samples, --k, --batch_size
-    # replace it where given (the rest are --hf only).
+    # --heldout_split, --seed, --heldout_items, --ood_items, --train_items, --n_samples, --k,
+    # --batch_size replace it where given (the rest are --hf only).
     _DOMAINS = flags.DEFINE_list(
         "domains", ["arithmetic", "stepwise_math", "program_synthesis"], "Domains to evaluate."
     )
     _MAX_LEVEL = flags.DEFINE_integer("max_level", 2, "Held-out levels 1..N; OOD at N + 1.")
     _HELDOUT = flags.DEFINE_integer("heldout_items", 200, "Held-out items per domain.")
+    _HELDOUT_SPLIT = flags.DEFINE_enum(
+        "heldout_split", "heldout", list(HELDOUT_SPLITS),
+        "Draw the held-out items from the whole held-out partition or from one half: "
+        "'validation' (where settings are chosen) or 'test' (the reported result).",
+    )  # fmt: skip
     _OOD = flags.DEFINE_integer("ood_items", 100, "OOD items per domain.")
     _TRAIN = flags.DEFINE_integer(
         "train_items", 0,

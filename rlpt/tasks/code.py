@@ -39,6 +39,7 @@ from rlpt.tasks.base import (
     _check_lengths,
     _cut_end_markers,
     check_split,
+    heldout_half,
     partition_of,
 )
 
@@ -331,7 +332,12 @@ class CodeProblemsDomain(CodeDomain):
 
     def problems(self, split: str) -> list[Mapping[str, Any]]:
         check_split(split)
-        return list(self._split["train" if split == "train" else "heldout"])
+        if split == "train":
+            return list(self._split["train"])
+        held = self._split["heldout"]
+        if split in ("validation", "test"):
+            return [p for p in held if heldout_half(p["prompt"]) == split]
+        return list(held)
 
     def generate(self, split: str, seed: int, difficulty: int = 1) -> Task:
         self.check_difficulty(difficulty)

@@ -1,5 +1,8 @@
 """Built-in procedural domains: determinism, split disjointness, demonstrations, scoring."""
 
+import dataclasses
+from fractions import Fraction
+
 import pytest
 
 from rlpt.tasks import (
@@ -8,9 +11,12 @@ from rlpt.tasks import (
     StepwiseMathDomain,
     Task,
     get_domain,
+    heldout_half,
+    partition_of,
+    shared_items,
 )
 
-BUILTIN = ["arithmetic", "stepwise_math", "program_synthesis", "state_tracking"]
+BUILTIN = ["arithmetic", "stepwise_math", "program_synthesis", "state_tracking", "fractions"]
 
 
 def _verify(domain, tasks, completions, pool):
@@ -21,7 +27,7 @@ def _verify(domain, tasks, completions, pool):
 def test_same_seed_same_task(name):
     a, b = get_domain(name), get_domain(name)
     for difficulty in (1, a.max_difficulty):
-        for split in ("train", "heldout", "ood"):
+        for split in ("train", "heldout", "validation", "test", "ood"):
             assert a.generate(split, 7, difficulty) == b.generate(split, 7, difficulty)
             assert a.tasks(split, 5, difficulty, seed=3) == b.tasks(split, 5, difficulty, seed=3)
 
@@ -52,6 +58,43 @@ def test_train_and_heldout_never_share_a_prompt(name):
 
 
 @pytest.mark.parametrize("name", BUILTIN)
+def test_validation_and_test_halve_the_heldout_partition(name):
+    """Settings are chosen on validation and reported on test: the two never meet the
+    training items or each other, and together they are the held-out split."""
+    domain = get_domain(name)
+    level = min(2, domain.max_difficulty)
+    for a, b in [("train", "validation"), ("train", "test"), ("validation", "test")]:
+        shared = shared_items(domain, a, b, 150, [level])
+        assert shared == {"prompts": set(), "keys": set()}, (a, b)
+    val = domain.tasks("validation", 150, level)
+    test = domain.tasks("test", 150, level)
+    assert len({t.prompt for t in val}) > 10 and len({t.prompt for t in test}) > 10
+    for t in val + test:
+        assert partition_of(t.partition_key, domain.heldout_fraction) == "heldout"
+        assert heldout_half(t.partition_key) == t.split
+    # Every held-out item belongs to exactly one half, roughly evenly.
+    halves = [heldout_half(t.partition_key) for t in domain.tasks("heldout", 300, level)]
+    assert 0.35 < halves.count("validation") / len(halves) < 0.65
+
+
+def test_shared_items_finds_a_leak():
+    """The checker itself can fail: a domain whose partition key ignores the prompt
+    puts the same prompts in both splits, and ``shared_items`` reports them."""
+
+    class Leaky(ProgramSynthesisDomain):
+        name = "leaky"
+
+        def _sample(self, rng, difficulty):
+            problem = super()._sample(rng, difficulty)
+            # A key drawn apart from the problem partitions nothing: level 1 has about
+            # 50 functions, so each one turns up in both splits.
+            return dataclasses.replace(problem, key=str(rng.random()))
+
+    shared = shared_items(Leaky(), "train", "heldout", 200, [1])
+    assert shared["prompts"] and not shared["keys"]
+
+
+@pytest.mark.parametrize("name", BUILTIN)
 def test_task_fields(name):
     domain = get_domain(name)
     task = domain.generate("heldout", 11, 2)
@@ -67,7 +110,7 @@ def test_task_fields(name):
 def test_bad_arguments_raise(name):
     domain = get_domain(name)
     with pytest.raises(ValueError, match="split"):
-        domain.generate("test", 0, 1)
+        domain.generate("testing", 0, 1)
     with pytest.raises(ValueError, match="difficulty"):
         domain.generate("train", 0, domain.max_difficulty + 1)
     with pytest.raises(ValueError, match="difficulty"):
@@ -97,6 +140,7 @@ def test_wrong_answers_score_zero(name, any_pool):
         "stepwise_math": lambda t: f"<answer>{int(t.answer) - 3}",
         "program_synthesis": lambda t: "<answer>lambda x: 'nope'",
         "state_tracking": lambda t: f"<answer>{(int(t.answer) + 1) % 1000}",
+        "fractions": lambda t: f"<answer>{Fraction(t.answer) + Fraction(1, 7)}",
     }[name]
     results = _verify(domain, tasks, [wrong(t) for t in tasks], any_pool)
     assert [r.reward for r in results] == [0.0] * len(tasks)
