@@ -196,14 +196,29 @@ class SFTSection:
     log_every: int = 10
     continued_wall_s: float = 0.0  # only the sft_continued control stage reads it
     eval_every: int = 0  # > 0: held-out loss and greedy evaluation every this many steps
+    # > 0: a fixed set of this many demonstrations per domain, cycled in epochs (the regime
+    # RL is for: few demonstrations, unlimited verifiable prompts); 0: a fresh one each time.
+    demonstrations: int = 0
+    # Leave SFT with the parameters of its best periodic evaluation (mean greedy pass@1 over
+    # domains on eval.heldout_split, which should then be "validation"), not its last step.
+    keep_best: bool = False
 
     def __post_init__(self):
         _existing_file("sft.jsonl", self.jsonl)
         for name in ("batch_size", "max_len", "token_budget", "heldout_items", "log_every"):
             _at_least(f"sft.{name}", getattr(self, name), 1)
         _positive("sft.learning_rate", self.learning_rate)
-        for name in ("warmup_steps", "weight_decay", "continued_wall_s", "eval_every"):
+        for name in ("warmup_steps", "weight_decay", "continued_wall_s", "eval_every",
+                     "demonstrations"):  # fmt: skip
             _at_least(f"sft.{name}", getattr(self, name), 0)
+        if self.keep_best and not self.eval_every:
+            raise ConfigError(
+                "sft.keep_best needs sft.eval_every > 0 (the evaluations it picks from)"
+            )
+        if self.demonstrations and self.jsonl:
+            raise ConfigError(
+                "sft.demonstrations draws from the domains; it cannot be set with sft.jsonl"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

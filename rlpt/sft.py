@@ -196,6 +196,14 @@ def demonstration(domains: Mapping[str, Domain], levels: Mapping[str, int], seed
     return task.prompt, domains[name].demonstration(task)
 
 
+def fixed_demonstrations(
+    domains: Mapping[str, Domain], levels: Mapping[str, int], seed: int, per_domain: int
+) -> list[tuple[str, str]]:
+    """The first ``per_domain`` demonstrations of each domain in the stream's order
+    (levels taking turns): a fixed, small supervised set."""
+    return [demonstration(domains, levels, seed, i) for i in range(per_domain * len(domains))]
+
+
 def read_jsonl_examples(path: str) -> list[tuple[str, str]]:
     """``(prompt, completion)`` pairs from a JSONL file; a line without them is an error."""
     out = []
@@ -352,6 +360,7 @@ __all__ = [
     "demonstration",
     "encode_chunked_example",
     "encode_example",
+    "fixed_demonstrations",
     "heldout_batch",
     "next_token_loss",
     "read_jsonl_examples",

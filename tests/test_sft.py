@@ -9,7 +9,7 @@ import pytest
 from rlpt import sft
 from rlpt.models import CausalLM, create_model, get_preset
 from rlpt.sampling import SampleOutput, chunked_generate
-from rlpt.tasks import get_domain
+from rlpt.tasks import get_domain, partition_of
 from rlpt.tokenizers import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -183,3 +183,21 @@ def test_chunked_stream_splits_examples_across_batches_and_resumes_inside_one():
     resumed.seek(stream.position, stream.chunk_offset)
     for b in batches[3:]:
         assert np.array_equal(resumed.next_batch()[0], b[0])
+
+
+def test_fixed_demonstrations_are_a_fixed_training_set_per_domain():
+    domains = {n: get_domain(n) for n in ("arithmetic", "fractions")}
+    levels = {"arithmetic": 2, "fractions": 2}
+    pairs = sft.fixed_demonstrations(domains, levels, seed=3, per_domain=6)
+    assert len(pairs) == 12
+    assert pairs == sft.fixed_demonstrations(domains, levels, seed=3, per_domain=6)
+    # Six per domain (fraction prompts are the ones with a '/'), all from training items.
+    assert sum("/" in p for p, _ in pairs) == 6
+    for name, domain in domains.items():
+        own = [p for p, _ in pairs if ("/" in p) == (name == "fractions")]
+        for prompt in own:
+            assert partition_of(prompt, domain.heldout_fraction) == "train"
+    # A stream over them cycles the same twelve examples, epoch after epoch.
+    stream = sft.ExampleStream(ByteTokenizer(), batch_size=4, max_len=64, examples=pairs, seed=0)
+    seen = [stream._example(i) for i in range(36)]
+    assert sorted(seen[:12]) == sorted(seen[12:24]) == sorted(seen[24:]) == sorted(pairs)

@@ -196,6 +196,11 @@ class PostTrainRun:
         # of it, so SFT trains the same windows as PPO and can warm-start a chunked run.
         s = config.sft
         examples = sft_lib.read_jsonl_examples(s.jsonl) if s.jsonl else None
+        heldout_from_eval = examples is None
+        if s.demonstrations:
+            examples = sft_lib.fixed_demonstrations(
+                self.domains, self.levels, config.seed, s.demonstrations
+            )
         chunk_kw = {}
         if chunking.enabled:
             chunk_kw = {"chunk_tokens": chunking.chunk_tokens,
@@ -208,7 +213,7 @@ class PostTrainRun:
             (t.prompt, self.domains[t.domain].demonstration(t))
             for tasks in self.eval_sets["heldout"].values()
             for t in tasks[: s.heldout_items]
-        ] if examples is None else examples[: s.heldout_items]  # fmt: skip
+        ] if heldout_from_eval else examples[: s.heldout_items]  # fmt: skip
         self.sft = SFTStage(
             s, stream, init_params=self.init_params, base_params=self.base_params,
             policy_graph=self.policy_graph, evaluation=self.evaluation,
@@ -379,7 +384,10 @@ class PostTrainRun:
 
     def _items(self) -> dict[str, Any]:
         if self._in_sft():
-            return {"sft": self.sft.state}
+            items = {"sft": self.sft.state}
+            if self.sft.best_params is not None:
+                items["sft_best"] = self.sft.best_params
+            return items
         items = {"ppo": self.learner.state, **self.learned.items()}
         if self.learner.ref_params is not None:
             items["ref"] = self.learner.ref_params
@@ -404,6 +412,8 @@ class PostTrainRun:
         targets = {}
         if "sft" in names:
             targets["sft"] = self.sft.state_template()
+        if "sft_best" in names:
+            targets["sft_best"] = self.sft.state_template().params
         if "ppo" in names:
             targets["ppo"] = self.learner.state_template(
                 self.init_params, jax.random.key_data(self.keys["ppo"])
@@ -444,6 +454,7 @@ class PostTrainRun:
         # The reward role counts into the restored record.
         self.reward.counters = self.meta["counters"]
         self.sft.state = items.get("sft")
+        self.sft.best_params = items.get("sft_best")
         self.learner.state = items.get("ppo")
         self.learner.ref_params = items.get("ref")
         if self.learner.state is not None:

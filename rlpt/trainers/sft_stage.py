@@ -4,6 +4,8 @@
 a step count) and closes with the held-out loss and the full evaluation (``sft``);
 ``sft_continued`` keeps going for ``sft.continued_wall_s`` seconds (the control that
 gets RL's wall clock as more supervision) and closes with the ``final`` evaluation.
+With ``sft.keep_best`` the ``sft`` stage ends on the parameters of its best periodic
+evaluation (early stopping on the validation split, as a supervised baseline should).
 """
 
 from __future__ import annotations
@@ -19,6 +21,18 @@ from rlpt.parallel import data_parallel_size
 from rlpt.parallel.multihost import abstract_on, to_host
 from rlpt.policy import full_policy
 from rlpt.trainers.context import RunEvaluation, StageContext
+
+
+def mean_pass_at_1(metrics) -> float:
+    """Mean greedy pass@1 over domains from flattened evaluation metrics
+    (``eval/DOMAIN/pass@1``; OOD and train entries have a split in the name)."""
+    values = [
+        float(v) for k, v in metrics.items()
+        if k.startswith("eval/") and k.endswith("/pass@1") and k.count("/") == 2
+    ]  # fmt: skip
+    if not values:
+        raise ValueError("no eval/DOMAIN/pass@1 in the evaluation's metrics")
+    return float(np.mean(values))
 
 
 class SFTStage:
@@ -56,6 +70,9 @@ class SFTStage:
             frozen=base_params, mesh=mesh,
         )  # fmt: skip
         self.state: Any = None  # rlpt.supervised.SupervisedState
+        # sft.keep_best: a copy of the parameters of the best periodic evaluation so far
+        # (checkpointed with the state; its step and score are in the run's meta).
+        self.best_params: Any = None
 
     def start(self) -> None:
         self.state = self.trainer.init(self.init_params)
@@ -72,6 +89,25 @@ class SFTStage:
         return self.trainer.evaluate(self.state.params, {"tokens": tokens, "loss_mask": mask})[
             "loss"
         ]
+
+    def _consider(self, ctx: StageContext, step: int, metrics) -> None:
+        """Keeps the current parameters if their periodic evaluation is the best yet."""
+        score = mean_pass_at_1(metrics)
+        best = ctx.meta.get("sft_best")
+        if best is None or score > best["pass@1"]:
+            # The next step donates the state's buffers: keep a copy, not a reference.
+            self.best_params = jax.tree.map(lambda x: x.copy(), self.state.params)
+            ctx.meta["sft_best"] = {"step": step, "pass@1": score}
+
+    def _take_best(self, ctx: StageContext, step: int) -> dict[str, Any]:
+        """At the end of SFT: the last step competes too; the best parameters stay."""
+        metrics = self.evaluation.periodic(self.policy_params(), step)
+        self._consider(ctx, step, metrics)
+        best = ctx.meta["sft_best"]
+        if best["step"] != step:
+            self.state = self.state.replace(params=self.best_params)
+        self.best_params = None
+        return {"sft/best_step": best["step"], "sft/best_pass@1": best["pass@1"]}
 
     def run(self, ctx: StageContext, *, continued: bool) -> bool:
         """SFT to the end of the stage; False if ``stop_after_step`` stopped it first."""
@@ -114,6 +150,8 @@ class SFTStage:
                     window, window_steps, window_tokens = now, 0, 0
                 if last:
                     ctx.meta["stage_done"] = True
+                    if c.keep_best and not continued:
+                        metrics.update(self._take_best(ctx, step))
                     metrics["sft/heldout_loss"] = self.heldout_loss()
                     metrics.update(self.evaluation.full(
                         self.policy_params(), step, "final" if continued else "sft",
@@ -123,6 +161,8 @@ class SFTStage:
                     # The held-out learning curve of supervised training, comparable with RL's.
                     metrics["sft/heldout_loss"] = self.heldout_loss()
                     metrics.update(self.evaluation.periodic(self.policy_params(), step))
+                    if c.keep_best and not continued:
+                        self._consider(ctx, step, metrics)
                 if metrics:
                     ctx.write(metrics, "sft")
                 progress.update({k: metrics[k] for k in ("sft/loss",) if k in metrics})
