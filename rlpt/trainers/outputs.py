@@ -59,6 +59,11 @@ def write_summary(
             "sft": pick("sft", "train", "pass@1"),
             "final": pick("final", "train", "pass@1"),
         }
+    if "rl_start_elapsed_s" in meta:
+        # What the continued-SFT control gets instead of RL (sft.continued_wall_s).
+        summary["rl_wall_s"] = float(meta["elapsed_s"]) - float(meta["rl_start_elapsed_s"])
+    if meta.get("sft_best"):
+        summary["sft_best"] = dict(meta["sft_best"])
     if meta.get("reward_models"):
         summary["reward_models"] = meta["reward_models"]
     if jax.process_index() == 0:
