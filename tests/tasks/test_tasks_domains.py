@@ -16,7 +16,10 @@ from rlpt.tasks import (
     shared_items,
 )
 
-BUILTIN = ["arithmetic", "stepwise_math", "program_synthesis", "state_tracking", "fractions"]
+BUILTIN = [
+    "arithmetic", "stepwise_math", "program_synthesis", "state_tracking", "fractions",
+    "random_labels", "echo",
+]  # fmt: skip
 
 
 def _verify(domain, tasks, completions, pool):
@@ -141,6 +144,8 @@ def test_wrong_answers_score_zero(name, any_pool):
         "program_synthesis": lambda t: "<answer>lambda x: 'nope'",
         "state_tracking": lambda t: f"<answer>{(int(t.answer) + 1) % 1000}",
         "fractions": lambda t: f"<answer>{Fraction(t.answer) + Fraction(1, 7)}",
+        "random_labels": lambda t: f"<answer>{(int(t.answer) + 1) % 10}",
+        "echo": lambda t: f"<answer>{t.answer[::-1]}0",
     }[name]
     results = _verify(domain, tasks, [wrong(t) for t in tasks], any_pool)
     assert [r.reward for r in results] == [0.0] * len(tasks)
