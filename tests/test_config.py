@@ -209,8 +209,9 @@ BAD_POST_TRAIN = [
     (
         {"domains": ("arithmetc",)},
         "domains[0] names an unknown domain 'arithmetc'; did you mean 'arithmetic'? registered: "
-        "arithmetic, fractions, humaneval, program_synthesis, reasoning_gym, safety, "
-        "state_tracking, stepwise_math (or an import path 'pkg.module:attr')",
+        "arithmetic, echo, fractions, humaneval, program_synthesis, random_labels, "
+        "reasoning_gym, safety, state_tracking, stepwise_math (or an import path "
+        "'pkg.module:attr')",
     ),
     (
         {"curriculum__strategy": "greedy"},
