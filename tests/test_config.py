@@ -22,6 +22,12 @@ CONFIG_FILES = sorted(glob.glob(os.path.join(REPO_ROOT, "experiments", "*.py")))
 # Each file's arguments, full size and runlocal.
 ARGS = {
     "demo_controls.py": ["sft_more", "uniform", "sft_more,runlocal", "uniform,runlocal"],
+    "efficacy.py": [
+        arm + suffix
+        for arm in ("sft", "rl_uniform", "rl_curriculum", "sft_more")
+        for suffix in ("", ",runlocal")
+    ],
+    "curriculum_mix.py": ["learned", "uniform", "learned,runlocal", "uniform,runlocal"],
 }
 
 
@@ -209,9 +215,9 @@ BAD_POST_TRAIN = [
     (
         {"domains": ("arithmetc",)},
         "domains[0] names an unknown domain 'arithmetc'; did you mean 'arithmetic'? registered: "
-        "arithmetic, echo, fractions, humaneval, program_synthesis, random_labels, "
-        "reasoning_gym, safety, state_tracking, stepwise_math (or an import path "
-        "'pkg.module:attr')",
+        "arithmetic, echo, fractions, humaneval, list_programs, program_synthesis, "
+        "random_labels, reasoning_gym, safety, state_tracking, stepwise_math (or an import "
+        "path 'pkg.module:attr')",
     ),
     (
         {"curriculum__strategy": "greedy"},

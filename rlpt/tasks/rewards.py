@@ -112,8 +112,8 @@ def answer_format_ok(task: Task, completion: str) -> bool:
     """One ``<answer>`` marker, a non-empty answer after it, in the task's expected form.
 
     ``task.data["answer_format"]`` picks the form: ``number`` (parses as a
-    number), ``code`` (compiles as Python; compiling runs nothing) or anything
-    else / absent (any non-empty text).
+    number), ``code`` (compiles as Python; compiling runs nothing), ``list_program``
+    (parses in the ``list_programs`` DSL) or anything else / absent (any non-empty text).
     """
     if completion.count(ANSWER) != 1:
         return False
@@ -127,6 +127,13 @@ def answer_format_ok(task: Task, completion: str) -> bool:
         try:
             compile(answer, "<answer>", "exec")
         except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+            return False
+    if form == "list_program":
+        from rlpt.tasks.list_programs import ProgramError, parse
+
+        try:
+            parse(answer)
+        except ProgramError:
             return False
     return True
 

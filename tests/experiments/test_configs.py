@@ -15,6 +15,8 @@ CONFIG_FILES = sorted(glob.glob(os.path.join(REPO_ROOT, "experiments", "*.py")))
 # Each config file's runlocal argument(s): files with variants list each one.
 RUNLOCAL_ARGS = {
     "demo_controls.py": ["sft_more,runlocal", "uniform,runlocal"],
+    "efficacy.py": ["sft,runlocal", "rl_curriculum,runlocal", "sft_more,runlocal"],
+    "curriculum_mix.py": ["learned,runlocal"],
 }
 
 

@@ -18,7 +18,7 @@ from rlpt.tasks import (
 
 BUILTIN = [
     "arithmetic", "stepwise_math", "program_synthesis", "state_tracking", "fractions",
-    "random_labels", "echo",
+    "random_labels", "echo", "list_programs",
 ]  # fmt: skip
 
 
@@ -146,6 +146,7 @@ def test_wrong_answers_score_zero(name, any_pool):
         "fractions": lambda t: f"<answer>{Fraction(t.answer) + Fraction(1, 7)}",
         "random_labels": lambda t: f"<answer>{(int(t.answer) + 1) % 10}",
         "echo": lambda t: f"<answer>{t.answer[::-1]}0",
+        "list_programs": lambda t: "<answer>nope",
     }[name]
     results = _verify(domain, tasks, [wrong(t) for t in tasks], any_pool)
     assert [r.reward for r in results] == [0.0] * len(tasks)

@@ -89,6 +89,8 @@ def test_code_pass_rate():
         ("<answer>lambda x: x+1", {"answer_format": "code"}, True),
         ("<answer>lambda x: (", {"answer_format": "code"}, False),
         ("<answer>anything", {}, True),
+        ("<answer>sort|take(2)|sum", {"answer_format": "list_program"}, True),
+        ("<answer>sort|explode", {"answer_format": "list_program"}, False),
     ],
 )
 def test_format(completion, data, ok):

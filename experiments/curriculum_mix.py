@@ -1,0 +1,50 @@
+"""The curriculum in the real trainer: two learnable domains, one unlearnable, one mastered.
+
+``arithmetic`` and ``list_programs`` can be learnt; ``random_labels`` cannot (its labels
+are noise: chance is 0.1 whatever the policy does); ``echo`` is solved by the warm
+start. A learned curriculum should move samples off the last two and reach the target
+on the learnable ones sooner than uniform mixing. Arms (the config argument; append
+``,runlocal`` for a smoke run): ``learned`` (the bandit on learning progress) and
+``uniform``.
+
+    nice python -m rlpt.train --config=experiments/curriculum_mix.py:learned \\
+        --workdir=runs/mix_learned_s0 --config.seed=0
+    nice python -m rlpt.train --config=experiments/curriculum_mix.py:uniform \\
+        --workdir=runs/mix_uniform_s0 --config.seed=0
+    python benchmarks/learning_curves.py uniform=runs/mix_uniform_s0,... \\
+        learned=runs/mix_learned_s0,...
+
+Evaluation during training is on the validation half of the held-out partition.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import ml_collections
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import demo  # noqa: E402  (a sibling config file, not a package)
+
+ARMS = ("learned", "uniform")
+DOMAINS = ("arithmetic", "list_programs", "random_labels", "echo")
+LEARNABLE = ("arithmetic", "list_programs")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    """``arg`` is ``learned`` or ``uniform``, optionally followed by ``,runlocal``."""
+    parts = [p for p in (arg or "").split(",") if p]
+    arm = parts[0] if parts else ""
+    if arm not in ARMS or any(p != "runlocal" for p in parts[1:]):
+        raise ValueError(f"config argument must be one of {ARMS} [+ ',runlocal'], got {arg!r}")
+    config = demo.get_config("runlocal" if "runlocal" in parts[1:] else None)
+    config.domains = DOMAINS
+    config.train_max_level.default = 2
+    config.sft.max_len = 128
+    config.rollout.max_new_tokens = 48
+    config.eval.heldout_split = "validation"
+    # Every 20 steps: the samples at which a domain reaches its target are read off these.
+    config.eval.every = 20 if "runlocal" not in parts[1:] else 2
+    config.curriculum.strategy = "bandit" if arm == "learned" else "uniform"
+    return config
