@@ -212,7 +212,10 @@ def aggregate(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]], k: int) -
             for split in ood_splits
         }
         gained = [d for d in domains if gain[d]["mean"] >= GAIN_POINTS]
-        reached = [d for d in domains if reach[d]["mean"] >= 0.0]
+        # Only where the warm start had something to make reliable: its pass@k above its
+        # greedy pass@1 (a warm start at 0 everywhere is "reached" by any policy).
+        headroom = {d: paired("sft", f"pass@{k}", "sft", "pass@1", d)["mean"] for d in domains}
+        reached = [d for d in domains if reach[d]["mean"] >= 0.0 and headroom[d] > 0]
         # "Does not lose out of distribution": no OOD mean drop beyond its standard error.
         lost = [
             f"{split}/{d}" for split in ood_splits for d in domains

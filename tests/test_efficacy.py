@@ -105,6 +105,15 @@ def test_aggregate_pairs_arms_by_seed(fake_python, tmp_path):
     assert t["reach_target_met"] is False
 
 
+def test_a_warm_start_with_nothing_to_reach_reaches_nothing():
+    """Greedy 0 against a warm start's pass@k of 0 is no capability made reliable."""
+    zero = {"pass@1": 0.0, "pass@8": 0.0}
+    per_seed = {s: {arm: {"results": {"heldout": {"a": zero, "b": zero}}}
+                    for arm in efficacy.ARMS} for s in (0, 1)}  # fmt: skip
+    t = efficacy.aggregate(per_seed, 8)["targets"]["rl_curriculum"]
+    assert t["domains_reaching_warm_start_pass@8"] == [] and t["reach_target_met"] is False
+
+
 def test_settings_are_never_chosen_on_a_reporting_seed():
     with pytest.raises(ValueError, match="tuning_seed 0 is one of the reporting"):
         efficacy.Protocol(config="c", workdir="w", seeds=(0, 1), tuning_seed=0)
