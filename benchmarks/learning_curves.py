@@ -11,6 +11,11 @@ standard error) and, as the last line, a JSON object with the per-arm curves and
 point's per-domain means, and each later arm's final accuracy minus the first arm's,
 paired by seed (the directories' order). Points are matched by PPO step, so every run of an arm must
 evaluate at the same steps; a run that stopped early contributes its evaluations so far.
+
+``--target=DOMAIN:VALUE[,DOMAIN:VALUE...]`` (the curriculum check): per run, the samples
+at the first evaluation where every named domain has reached its value (``null`` if it
+never did), per arm their mean, each later arm's ratio to the first arm's paired by seed,
+and each arm's mean sampling weight per domain (``curriculum/DOMAIN/weight``).
 """
 
 from __future__ import annotations
@@ -60,16 +65,41 @@ def _mean_se(values: list[float]) -> tuple[float, float | None]:
     return mean, math.sqrt(var / n)
 
 
+def _samples_to_target(run: dict[int, dict[str, float]], target: dict[str, float]):
+    for samples in sorted(run):
+        if all(run[samples].get(d, -1.0) >= v for d, v in target.items()):
+            return samples
+    return None
+
+
+def _mean_weights(workdir: str) -> dict[str, float]:
+    """Mean over PPO steps of each domain's curriculum sampling weight."""
+    weights: dict[str, list[float]] = defaultdict(list)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for line in f:
+            d = json.loads(line) if line.strip() else {}
+            for k, v in d.items():
+                if k.startswith("curriculum/") and k.endswith("/weight"):
+                    weights[k.split("/")[1]].append(v)
+    return {d: round(sum(v) / len(v), 4) for d, v in weights.items()}
+
+
 def main(argv: list[str]) -> None:
+    target = None
+    for arg in [a for a in argv if a.startswith("--target=")]:
+        target = {d: float(v) for d, v in (p.split(":") for p in arg.split("=", 1)[1].split(","))}
+    argv = [a for a in argv if not a.startswith("--target=")]
     if not argv:
         raise SystemExit(__doc__)
     report = {}
+    to_target: dict[str, list] = {}
     finals: dict[str, list[float]] = {}
     for spec in argv:
         if "=" not in spec:
             raise SystemExit(f"expected ARM=DIR[,DIR...], got {spec!r}")
         arm, dirs = spec.split("=", 1)
-        runs = [_run_curve(d)[0] for d in dirs.split(",") if d]
+        dir_list = [d for d in dirs.split(",") if d]
+        runs = [_run_curve(d)[0] for d in dir_list]
         by_samples: dict[int, list[float]] = defaultdict(list)
         final_domains: dict[str, list[float]] = defaultdict(list)
         for run in runs:
@@ -93,6 +123,12 @@ def main(argv: list[str]) -> None:
             "final_by_domain": {d: round(_mean_se(v)[0], 4) for d, v in final_domains.items()},
             "runs": len(runs),
         }
+        if target is not None:
+            to_target[arm] = [_samples_to_target(run, target) for run in runs]
+            reached = [s for s in to_target[arm] if s is not None]
+            report[arm]["samples_to_target"] = to_target[arm]
+            report[arm]["samples_to_target_mean"] = _mean_se(reached)[0] if reached else None
+            report[arm]["curriculum_weights"] = [_mean_weights(d) for d in dir_list]
     # Arms share each seed's warm start (the SFT stage is the same for a seed), so the
     # difference at the last evaluation is paired by seed: the first arm is the reference.
     arms = list(finals)
@@ -104,6 +140,16 @@ def main(argv: list[str]) -> None:
                 "mean": round(mean, 4), "se": None if se is None else round(se, 4),
                 "pairs": len(pairs),
             }  # fmt: skip
+        if target is not None:
+            ratios = [b / a for a, b in zip(to_target[arms[0]], to_target[arm]) if a and b]
+            if ratios:
+                mean, se = _mean_se(ratios)
+                report[arm][f"samples_ratio_vs_{arms[0]}"] = {
+                    "mean": round(mean, 4), "se": None if se is None else round(se, 4),
+                    "pairs": len(ratios),
+                }  # fmt: skip
+    if target is not None:
+        report["target"] = target
     print(json.dumps(report))
 
 
