@@ -143,6 +143,9 @@ class ModelSection:
     # A Hugging Face model directory (config.json, *.safetensors, tokenizer.json) to start
     # from instead of the preset. None: not a Hugging Face run; "": required but not given.
     hf_path: str | None = None
+    # A post_train run directory whose latest checkpoint's policy (SFT's kept parameters or
+    # PPO's policy) this run starts from: one warm start shared by several arms.
+    init_from: str = ""
 
     def __post_init__(self):
         from rlpt.models.config import PRESETS, ModelConfig
@@ -163,6 +166,14 @@ class ModelSection:
                 )
             if not os.path.isdir(self.hf_path):
                 raise ConfigError(f"model.hf_path {self.hf_path!r} is not a directory")
+        if self.init_from:
+            if self.hf_path is not None:
+                raise ConfigError("model.init_from and model.hf_path are exclusive starts")
+            if not os.path.isfile(os.path.join(self.init_from, "run_config.json")):
+                raise ConfigError(
+                    f"model.init_from {self.init_from!r} is not a run directory "
+                    "(no run_config.json)"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,10 +298,21 @@ class RolloutSection:
     chunked_reasoning: ChunkedReasoningSection = dataclasses.field(
         default_factory=ChunkedReasoningSection
     )
+    # Multi-turn rollouts (``rlpt.roles.multiturn``): a row not yet correct gets the
+    # verifier's feedback ("\nfeedback: f(3) gave 7, expected 10\n", at most
+    # feedback_tokens tokens) appended and the model answers again, up to `turns` turns of
+    # max_new_tokens each. 1: single-turn rollouts. The row's reward is its last verdict's
+    # times turn_discount ** (turns used - 1).
+    turns: int = 1
+    feedback_tokens: int = 64
+    turn_discount: float = 1.0
 
     def __post_init__(self):
-        for name in ("batch_size", "group_size", "max_new_tokens", "filter_max_rounds", "slots"):
+        for name in ("batch_size", "group_size", "max_new_tokens", "filter_max_rounds", "slots",
+                     "turns", "feedback_tokens"):  # fmt: skip
             _at_least(f"rollout.{name}", getattr(self, name), 1)
+        _check(0.0 < self.turn_discount <= 1.0, "rollout.turn_discount", "in (0, 1]",
+               self.turn_discount)  # fmt: skip
         if self.sampler not in ("engine", "static"):
             raise ConfigError(f"rollout.sampler must be 'engine' or 'static', got {self.sampler!r}")
         if not self.temperature > 0:
@@ -306,6 +328,11 @@ class RolloutSection:
             )
         if list(self.buckets) != sorted(set(self.buckets)):
             raise ConfigError(f"rollout.buckets must be strictly increasing, got {self.buckets}")
+
+    @property
+    def response_width(self) -> int:
+        """Response columns of a rollout row: every turn's completion and feedback."""
+        return self.turns * self.max_new_tokens + (self.turns - 1) * self.feedback_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -711,6 +738,7 @@ class PostTrainConfig:
         self._check_ppo_against_rollout()
         self._check_learned_rewards()
         self._check_chunked_reasoning()
+        self._check_turns()
         if self.async_rl.enabled and self.rollout.filter_groups:
             raise ConfigError(
                 "rollout.filter_groups must be False with async_rl.enabled (groups are trained on "
@@ -836,6 +864,19 @@ class PostTrainConfig:
                 f"{path} does not take learned reward terms yet: set rewards.reward_model "
                 "and rewards.process to 0"
             )
+
+    def _check_turns(self) -> None:
+        """Multi-turn rollouts run in the synchronous PPO stage, on verifier rewards."""
+        turns = self.rollout.turns
+        if turns == 1:
+            return
+        if self.rollout.chunked_reasoning.enabled:
+            _check(False, "rollout.turns", "1 with rollout.chunked_reasoning.enabled", turns)
+        if self.async_rl.enabled:
+            _check(False, "rollout.turns", "1 with async_rl.enabled (not yet)", turns)
+        if self.rewards.reward_model > 0 or self.rewards.process > 0:
+            _check(False, "rollout.turns", "1 with learned reward terms (rewards.reward_model "
+                   "or rewards.process > 0; not yet)", turns)  # fmt: skip
 
     def _check_learned_rewards(self) -> None:
         for weight, stage in (("reward_model", "rm"), ("process", "prm")):

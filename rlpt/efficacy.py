@@ -5,15 +5,15 @@ runs, in this order (each run a ``python -m rlpt.train`` process of its own, so 
 interrupted protocol resumes where it stopped; finished runs are not repeated):
 
 1. **Tuning, on validation only.** For each PPO learning rate of ``--learning_rates``
-   one RL run (the learned-curriculum arm, seed ``--tuning_seed``, kept apart from the
-   reporting seeds); the rate with the best mean greedy pass@1 on the *validation* half
+   one RL run (the learned-curriculum arm from an SFT run of seed ``--tuning_seed``, kept
+   apart from the reporting seeds); the rate with the best mean greedy pass@1 on the *validation* half
    of the held-out partition is used by every reporting run. Test items are never
    scored in this phase.
 2. **Arms, per seed.** ``sft``: SFT on the fixed demonstration set to its best
-   validation checkpoint (the warm start of every other arm, which repeats the same
-   deterministic SFT); ``rl_uniform`` and ``rl_curriculum``: RL from that warm start with
-   uniform mixing or the learned curriculum; ``sft_more``: continued SFT on the same
-   demonstrations for ``rl_curriculum``'s RL wall clock (same seed).
+   validation checkpoint, the warm start every other arm of the seed starts from
+   (``model.init_from``); ``rl_uniform`` and ``rl_curriculum``: RL from it with uniform
+   mixing or the learned curriculum; ``sft_more``: SFT continued from it on the same
+   demonstrations (a fresh optimiser state) for ``rl_curriculum``'s RL wall clock.
 3. **Test.** Every run's final policy is scored once on the *test* half: greedy pass@1
    and pass@k from ``--n_samples`` samples, plus the out-of-distribution splits.
 
@@ -130,13 +130,20 @@ def validation_score(summary: Mapping[str, Any]) -> float:
     return float(np.mean(values))
 
 
+def _from_warm_start(protocol: Protocol, sft_run: str, stages: tuple[str, ...]) -> dict:
+    """Overrides that start an arm from a finished SFT run's kept parameters."""
+    return {"model.init_from": _run_dir(protocol, sft_run), "stages": repr(stages)}
+
+
 def tune(protocol: Protocol) -> dict[str, Any]:
     """The learning rate with the best validation score; the scores of every candidate."""
     scores = {}
+    seed = {"seed": protocol.tuning_seed}
+    train_run(protocol, "tune/sft", "sft", seed)
     for lr in protocol.learning_rates:
         summary = train_run(
             protocol, f"tune/lr{lr:g}", "rl_curriculum",
-            {"seed": protocol.tuning_seed, "ppo.learning_rate": lr},
+            {**seed, "ppo.learning_rate": lr, **_from_warm_start(protocol, "tune/sft", ("ppo",))},
         )  # fmt: skip
         scores[f"{lr:g}"] = validation_score(summary)
     best = max(protocol.learning_rates, key=lambda lr: scores[f"{lr:g}"])
@@ -146,12 +153,16 @@ def tune(protocol: Protocol) -> dict[str, Any]:
 def run_seed(protocol: Protocol, seed: int, learning_rate: float) -> dict[str, dict]:
     """Every arm of one seed, trained and tested; ``{arm: test result}``."""
     base = {"seed": seed, "ppo.learning_rate": learning_rate}
-    train_run(protocol, f"seed{seed}/sft", "sft", base)
-    train_run(protocol, f"seed{seed}/rl_uniform", "rl_uniform", base)
-    rl = train_run(protocol, f"seed{seed}/rl_curriculum", "rl_curriculum", base)
+    warm = f"seed{seed}/sft"
+    train_run(protocol, warm, "sft", base)
+    # Every other arm starts from that run's kept parameters: one warm start per seed.
+    rl_start = {**base, **_from_warm_start(protocol, warm, ("ppo",))}
+    train_run(protocol, f"seed{seed}/rl_uniform", "rl_uniform", rl_start)
+    rl = train_run(protocol, f"seed{seed}/rl_curriculum", "rl_curriculum", rl_start)
     train_run(
         protocol, f"seed{seed}/sft_more", "sft_more",
-        {**base, "sft.continued_wall_s": round(float(rl["rl_wall_s"]), 1)},
+        {**base, **_from_warm_start(protocol, warm, ("sft_continued",)),
+         "sft.continued_wall_s": round(float(rl["rl_wall_s"]), 1)},
     )  # fmt: skip
     return {arm: evaluate_on_test(protocol, f"seed{seed}/{arm}") for arm in ARMS}
 

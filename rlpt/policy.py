@@ -54,7 +54,24 @@ def make_tokenizer(config: PostTrainConfig, model_cfg) -> Tokenizer:
 
 
 def initial_policy(config: PostTrainConfig, model_cfg, key: jax.Array):
-    """(graphdef, params) of the policy before any training: loaded, or randomly initialised."""
+    """(graphdef, params) of the policy before any training: another run's policy
+    (``model.init_from``), loaded from Hugging Face, or randomly initialised."""
+    if config.model.init_from:
+        source = restore_policy(config.model.init_from)
+        if source.base is not None:
+            raise ValueError(
+                f"model.init_from {config.model.init_from!r} trained LoRA adapters; start "
+                "from a run that trained full weights"
+            )
+        if source.model_cfg != model_cfg:
+            differ = [
+                f.name for f in dataclasses.fields(model_cfg)
+                if getattr(source.model_cfg, f.name) != getattr(model_cfg, f.name)
+            ]  # fmt: skip
+            raise ValueError(
+                f"model.init_from {config.model.init_from!r} has another model: {differ} differ"
+            )
+        return source.graph, source.trained
     if config.model.hf_path:
         from rlpt.interop import load_hf_model
 

@@ -64,16 +64,24 @@ def test_protocol_tunes_on_validation_runs_every_arm_and_tests_once(fake_python,
     calls = _calls(log)
     train = [c for c in calls if c[1] == "rlpt.train"]
     evals = [c for c in calls if c[1] == "rlpt.eval"]
-    # Three tuning runs at the tuning seed, then four arms per seed.
-    assert [c[2] for c in train[:3]] == ["--config=experiments/efficacy.py:rl_curriculum"] * 3
-    assert all("--config.seed=100" in c for c in train[:3])
+    # A warm start and three tuning runs from it at the tuning seed, then four arms per
+    # seed, every arm after the first from that seed's warm start.
+    arms = [c[2].rsplit(":", 1)[1] for c in train]
+    assert arms[:4] == ["sft"] + ["rl_curriculum"] * 3
+    assert all("--config.seed=100" in c for c in train[:4])
+    tune_start = f"--config.model.init_from={tmp_path / 'p' / 'tune' / 'sft'}"
+    assert all(tune_start in c and "--config.stages=('ppo',)" in c for c in train[1:4])
     assert results["tuning"]["learning_rate"] == 4e-4
-    for c in train[3:]:
+    for c in train[4:]:
         assert "--config.ppo.learning_rate=0.0004" in c
-    arms = [c[2].rsplit(":", 1)[1] for c in train[3:]]
-    assert arms == ["sft", "rl_uniform", "rl_curriculum", "sft_more"] * 2
+    assert arms[4:] == ["sft", "rl_uniform", "rl_curriculum", "sft_more"] * 2
+    for seed, runs in ((0, train[4:8]), (1, train[8:12])):
+        start = f"--config.model.init_from={tmp_path / 'p' / f'seed{seed}' / 'sft'}"
+        assert not any(a.startswith("--config.model.init_from") for a in runs[0])
+        assert all(start in c for c in runs[1:])
+        assert "--config.stages=('sft_continued',)" in runs[3]
     # The continued-SFT control gets the RL arm's measured wall clock.
-    assert all("--config.sft.continued_wall_s=123.4" in c for c in train[3:] if "sft_more" in c[2])
+    assert all("--config.sft.continued_wall_s=123.4" in c for c in train[4:] if "sft_more" in c[2])
     # Test is scored once per reporting run, never for the tuning runs.
     assert len(evals) == 8 and all("--heldout_split=test" in c for c in evals)
     assert not any("/tune/" in a for c in evals for a in c)

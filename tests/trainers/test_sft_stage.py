@@ -6,6 +6,7 @@ import types
 import jax.numpy as jnp
 import pytest
 
+from rlpt.config import ConfigError, parse_config
 from rlpt.supervised import SupervisedState
 from rlpt.trainers.sft_stage import SFTStage, mean_pass_at_1
 
@@ -93,3 +94,29 @@ def test_a_run_warm_starts_from_its_best_validation_checkpoint_across_a_resume(t
     if last["sft/best_step"] in periodic:
         assert last["sft/best_pass@1"] == periodic[last["sft/best_step"]]
     assert mean_pass_at_1(last) == pytest.approx(last["sft/best_pass@1"])
+
+    # Another arm starts from this run's kept parameters (model.init_from): its initial
+    # policy is exactly them, and a continued-SFT stage alone runs from it.
+    import jax
+    import numpy as np
+
+    from rlpt import policy as policy_lib
+    from rlpt.trainers import post_train
+
+    kept = policy_lib.restore_policy(str(tmp_path)).trained
+    arm = experiment_config("demo", **{
+        **overrides, "model.init_from": str(tmp_path), "stages": ("sft_continued",),
+        "sft.keep_best": False, "sft.continued_wall_s": 0.5,
+    })  # fmt: skip
+    arm.lock()
+    run = post_train.PostTrainRun(arm, str(tmp_path / "arm"))
+    try:
+        got = run.init_params
+    finally:
+        run.close()
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    summary = train.train_and_evaluate(arm, str(tmp_path / "arm2"))
+    assert set(summary["eval"]["final"]) == {"arithmetic", "fractions"}
+    with pytest.raises(ConfigError, match="model.init_from .* is not a run directory"):
+        parse_config(experiment_config("demo", **{"model.init_from": str(tmp_path / "none")}))
