@@ -6,8 +6,8 @@ interrupted protocol resumes where it stopped; finished runs are not repeated):
 
 1. **Tuning, on validation only.** For each PPO learning rate of ``--learning_rates``
    one RL run (the learned-curriculum arm from an SFT run of seed ``--tuning_seed``, kept
-   apart from the reporting seeds); the rate with the best mean greedy pass@1 on the *validation* half
-   of the held-out partition is used by every reporting run. Test items are never
+   apart from the reporting seeds); the rate with the best mean greedy pass@1 on the
+   *validation* half of the held-out partition is used by every reporting run. Test items are never
    scored in this phase.
 2. **Arms, per seed.** ``sft``: SFT on the fixed demonstration set to its best
    validation checkpoint, the warm start every other arm of the seed starts from

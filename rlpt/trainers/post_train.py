@@ -535,7 +535,9 @@ class PostTrainRun:
         self.meta["stage_step"] = 0
         self.meta["stage_done"] = False
         self.meta["stage_elapsed_s"] = 0.0
-        if stage == "sft" and self.sft.state is None:
+        if stage in ("sft", "sft_continued") and self.sft.state is None:
+            # sft_continued alone continues a warm start from model.init_from, with a
+            # fresh optimiser state.
             self.sft.start()
         elif stage == "ppo":
             # After SFT (and any rm/prm stage) the policy is SFT's; a run without SFT
