@@ -51,10 +51,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Training-level prompts only; OOD is the level above plus list_programs' own splits.
     config.train_max_level.default = 2
 
-    # Few demonstrations, many passes over them: SFT stops on its best validation score.
+    # Few demonstrations, several passes over them: SFT keeps its best validation score.
+    # (Probe, seed 0, mini model: arithmetic validation pass@1 0.107 at step 200 and 0.047
+    # at step 400 of a 600k-token budget; it overfits the 2,000 demonstrations early.)
     config.sft.demonstrations = 2000
-    config.sft.token_budget = 600_000  # about 5 epochs of the 6,000 demonstrations
-    config.sft.eval_every = 200
+    config.sft.token_budget = 300_000  # a few epochs of the 6,000 demonstrations
+    config.sft.eval_every = 100
     config.sft.keep_best = True
     # Fractions and list programs write longer answers than the demo's domains.
     config.sft.max_len = 128
