@@ -39,8 +39,16 @@ import numpy as np
 
 from rlpt import policy as policy_lib
 from rlpt.config import PostTrainConfig, parse_config
+from rlpt.roles.multiturn import context_generate_fn, run_episodes
 from rlpt.runfiles import atomic_write_json
-from rlpt.sampling import DEFAULT_BUCKETS, Sampler, SamplingParams, make_sampler
+from rlpt.sampling import (
+    DEFAULT_BUCKETS,
+    GREEDY,
+    SampleOutput,
+    Sampler,
+    SamplingParams,
+    make_sampler,
+)
 from rlpt.tasks import Domain, Task, VerifyResult
 from rlpt.tasks.verifier import Verifier
 from rlpt.tokenizers import Tokenizer, decode_response
@@ -94,9 +102,30 @@ def complete(
     The last chunk is filled up by repeating its last prompt, so every call has the
     same batch shape and the sampler compiles once per prompt bucket.
     """
+    _, out = complete_ids(
+        sampler, params, tokenizer, tasks, key, sampling=sampling,
+        max_new_tokens=max_new_tokens, chunk_size=chunk_size, add_bos=add_bos,
+    )  # fmt: skip
+    texts = [decode_response(tokenizer, out.tokens[i, : out.lengths[i]]) for i in range(len(tasks))]
+    return texts, np.asarray(out.truncated, bool)
+
+
+def complete_ids(
+    sampler: Sampler,
+    params: Any,
+    tokenizer: Tokenizer,
+    tasks: Sequence[Task],
+    key: jax.Array,
+    *,
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    chunk_size: int,
+    add_bos: bool = True,
+) -> tuple[list[list[int]], SampleOutput]:
+    """``complete``'s prompts (token ids) and its samples, one numpy ``SampleOutput`` row
+    per task, for callers that go on from the sampled ids (multi-turn evaluation)."""
     prompts = [tokenizer.encode(t.prompt, add_bos=add_bos) for t in tasks]
-    texts: list[str] = []
-    truncated: list[bool] = []
+    parts = []
     for c, start in enumerate(range(0, len(prompts), chunk_size)):
         chunk = prompts[start : start + chunk_size]
         n = len(chunk)
@@ -105,10 +134,8 @@ def complete(
             params, chunk, jax.random.fold_in(key, c), max_new_tokens=max_new_tokens,
             sampling=sampling,
         )  # fmt: skip
-        for i in range(n):
-            texts.append(decode_response(tokenizer, out.tokens[i, : out.lengths[i]]))
-            truncated.append(bool(out.truncated[i]))
-    return texts, np.asarray(truncated, bool)
+        parts.append(jax.tree.map(lambda x, n=n: np.asarray(x)[:n], out))
+    return prompts, jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
 
 
 def make_eval_sets(
@@ -216,7 +243,14 @@ def _spread(items: list, n: int) -> list:
 
 
 class Evaluator:
-    """Greedy pass@1 and sampled pass@k per domain and split, plus logged samples."""
+    """Greedy pass@1 and sampled pass@k per domain and split, plus logged samples.
+
+    With ``turns > 1`` (multi-turn rollouts, ``rlpt.roles.multiturn``) the greedy
+    completions of every split but ``train`` also go on for up to ``turns`` turns with
+    the verifier's feedback between them: ``pass@1_turns`` is the fraction solved
+    within the turns (its first turn is ``pass@1``'s completion), ``mean_turns`` the
+    completions sampled per item.
+    """
 
     def __init__(
         self,
@@ -227,6 +261,8 @@ class Evaluator:
         max_new_tokens: int,
         chunk_size: int,
         temperature: float = 1.0,
+        turns: int = 1,
+        feedback_tokens: int = 64,
     ):
         self.sampler = sampler
         self.tokenizer = tokenizer
@@ -234,14 +270,42 @@ class Evaluator:
         self.max_new_tokens = max_new_tokens
         self.chunk_size = chunk_size
         self.temperature = temperature
+        self.turns = turns
+        self.feedback_tokens = feedback_tokens
 
     def _run(self, params, tasks, key, sampling):
-        texts, truncated = complete(
+        prompts, out = complete_ids(
             self.sampler, params, self.tokenizer, tasks, key, sampling=sampling,
             max_new_tokens=self.max_new_tokens, chunk_size=self.chunk_size,
         )  # fmt: skip
+        texts = [decode_response(self.tokenizer, out.tokens[i, : out.lengths[i]])
+                 for i in range(len(tasks))]  # fmt: skip
         results = self.verifier.verify([t.domain for t in tasks], tasks, texts)
-        return texts, truncated, results
+        return texts, np.asarray(out.truncated, bool), results, (prompts, out)
+
+    def _run_turns(self, params, tasks, first, first_results, key) -> dict[str, Any]:
+        """Greedy multi-turn episodes that start from ``first`` (turn 1's prompts and
+        samples) and its verdicts: ``pass@1_turns`` (with its standard error) and
+        ``mean_turns``."""
+        prompts, out = first
+        generate = context_generate_fn(
+            self.sampler, params, GREEDY, max_new_tokens=self.max_new_tokens,
+            batch_size=self.chunk_size,
+        )  # fmt: skip
+
+        def verify(rows, texts):
+            picked = [tasks[i] for i in rows]
+            return self.verifier.verify([t.domain for t in picked], picked, texts)
+
+        ep = run_episodes(
+            generate, verify, self.tokenizer, prompts, key, turns=self.turns,
+            max_new_tokens=self.max_new_tokens, feedback_tokens=self.feedback_tokens,
+            first=out, first_results=first_results,
+        )  # fmt: skip
+        ok = [float(s) for s, r in zip(ep.success, ep.results) if r.valid]
+        mean, se = mean_and_stderr(ok)
+        return {"pass@1_turns": mean, "pass@1_turns_se": se,
+                "mean_turns": float(np.mean(ep.turns))}  # fmt: skip
 
     def evaluate(
         self,
@@ -279,7 +343,9 @@ class Evaluator:
                 if not tasks:
                     continue
                 sub = jax.random.fold_in(jax.random.fold_in(key, s), d)
-                texts, truncated, res = self._run(params, tasks, jax.random.fold_in(sub, 0), greedy)
+                texts, truncated, res, first = self._run(
+                    params, tasks, jax.random.fold_in(sub, 0), greedy
+                )
                 valid = [r.valid for r in res]
                 ok = [float(r.correct) for r in res if r.valid]
                 p1, p1_se = mean_and_stderr(ok)
@@ -294,10 +360,14 @@ class Evaluator:
                     "truncated": float(np.mean(truncated)),
                     "by_level": _by_level(tasks, res),
                 }
+                if self.turns > 1 and split != "train":
+                    out.update(self._run_turns(
+                        params, tasks, first, res, jax.random.fold_in(sub, 2)
+                    ))  # fmt: skip
                 # Training items only measure the memorisation gap: greedy is enough.
                 if n_samples and split != "train":
                     reps = [t for t in tasks for _ in range(n_samples)]
-                    _, _, sres = self._run(params, reps, jax.random.fold_in(sub, 1), sampled)
+                    _, _, sres, _ = self._run(params, reps, jax.random.fold_in(sub, 1), sampled)
                     per_item, sample_ok = [], []
                     for i in range(len(tasks)):
                         rows = sres[i * n_samples : (i + 1) * n_samples]
@@ -343,12 +413,14 @@ def check_sampling(n_samples: int, k: int) -> None:
 
 def flatten_results(results: Mapping[str, Any], k: int) -> dict[str, float]:
     """``eval/DOMAIN/pass@1``, ``eval/DOMAIN/pass@K`` (held-out), ``eval/DOMAIN/ood/...`` and
-    ``eval/DOMAIN/train/...``."""
+    ``eval/DOMAIN/train/...``; multi-turn evaluations add ``.../pass@1_turns`` and
+    ``.../mean_turns``."""
     out: dict[str, float] = {}
     for split, by_domain in results.items():
         for name, r in by_domain.items():
             prefix = f"eval/{name}/" if split == "heldout" else f"eval/{name}/{split}/"
-            for key in ("pass@1", "pass@1_se", f"pass@{k}", f"pass@{k}_se", "sample_pass@1"):
+            for key in ("pass@1", "pass@1_se", f"pass@{k}", f"pass@{k}_se", "sample_pass@1",
+                        "pass@1_turns", "pass@1_turns_se", "mean_turns"):  # fmt: skip
                 if key in r:
                     out[prefix + key] = r[key]
             out[prefix + "sandbox_failures"] = r["sandbox_failures"]
@@ -486,7 +558,8 @@ def evaluate_policy(
         )  # fmt: skip
         evaluator = Evaluator(sampler, tokenizer, Verifier(domains, pool),
                               max_new_tokens=config.rollout.max_new_tokens,
-                              chunk_size=config.eval.batch_size)  # fmt: skip
+                              chunk_size=config.eval.batch_size, turns=config.rollout.turns,
+                              feedback_tokens=config.rollout.feedback_tokens)  # fmt: skip
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.seed), 3), step)
         results, _ = evaluator.evaluate(
             state, make_eval_data(config, domains), key, n_samples=config.eval.n_samples,

@@ -275,6 +275,23 @@ BAD_POST_TRAIN = [
     ({"mesh__sequence": -1}, "at most one mesh axis may be -1, got mesh.data and mesh.sequence"),
     ({"reward_model__refresh_every": -1}, "reward_model.refresh_every must be >= 0, got -1"),
     ({"rollout__filter_max_rounds": 0}, "rollout.filter_max_rounds must be >= 1, got 0"),
+    ({"rollout__turns": 0}, "rollout.turns must be >= 1, got 0"),
+    ({"rollout__feedback_tokens": 0}, "rollout.feedback_tokens must be >= 1, got 0"),
+    ({"rollout__turn_discount": 0.0}, "rollout.turn_discount must be in (0, 1], got 0"),
+    ({"rollout__turn_discount": 1.5}, "rollout.turn_discount must be in (0, 1], got 1.5"),
+    (
+        {"rollout__turns": 3, "rollout__chunked_reasoning__enabled": True},
+        "rollout.turns must be 1 with rollout.chunked_reasoning.enabled, got 3",
+    ),
+    (
+        {"rollout__turns": 2, "async_rl__enabled": True, "rollout__filter_groups": False},
+        "rollout.turns must be 1 with async_rl.enabled (not yet), got 2",
+    ),
+    (
+        {"rollout__turns": 2, "stages": ("sft", "rm", "ppo"), "rewards__reward_model": 0.5},
+        "rollout.turns must be 1 with learned reward terms (rewards.reward_model or "
+        "rewards.process > 0; not yet), got 2",
+    ),
     ({"sft__jsonl": "/nonexistent/sft.jsonl"}, "sft.jsonl '/nonexistent/sft.jsonl' is not a file"),
     ({"ppo__clip_lo": 0.1}, "unknown config key ppo.clip_lo; did you mean ppo.clip_low?"),
     (

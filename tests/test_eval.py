@@ -3,6 +3,7 @@
 import collections
 import itertools
 import math
+import types
 
 import numpy as np
 import pytest
@@ -271,3 +272,76 @@ def test_periodic_subset_is_spread_over_the_levels():
     picked = _spread(items, 4)
     assert picked == ["level1-0", "level1-3", "level2-1", "level2-4"]  # indices 0, 3, 6, 9
     assert _spread(items, 20) == items and _spread(items, 1) == ["level1-0"]
+
+
+class _ScriptedPolicy:
+    """A sampler answering prompt ``p`` with ``scripts[p][k]`` after ``k`` feedbacks in its
+    context (each answer followed by eos)."""
+
+    def __init__(self, scripts):
+        self.tok = ByteTokenizer()
+        self.scripts = scripts
+        self.pad_id = self.tok.pad_id
+        self.config = types.SimpleNamespace(max_seq_len=256)
+
+    def generate(self, params, prompts, key, *, max_new_tokens, sampling):
+        from rlpt.sampling import SampleOutput
+
+        n = len(prompts)
+        out = SampleOutput(
+            tokens=np.full((n, max_new_tokens), self.pad_id, np.int32),
+            logprobs=np.zeros((n, max_new_tokens), np.float32),
+            mask=np.zeros((n, max_new_tokens), np.float32),
+            lengths=np.zeros(n, np.int32), truncated=np.zeros(n, bool),
+        )  # fmt: skip
+        for i, ids in enumerate(prompts):
+            context = self.tok.decode(ids)  # the prompts are one character long
+            answer = self.tok.encode(self.scripts[context[0]][context.count("feedback:")])
+            answer.append(self.tok.eos_id)
+            out.tokens[i, : len(answer)], out.lengths[i] = answer, len(answer)
+            out.mask[i, : len(answer)] = 1.0
+        return out
+
+    def generate_padded(self, params, tokens, mask, key, *, max_new_tokens, sampling):
+        rows = [r[m].tolist() for r, m in zip(np.asarray(tokens), np.asarray(mask, bool))]
+        return self.generate(params, rows, key, max_new_tokens=max_new_tokens, sampling=sampling)
+
+
+class _OkDomain(AnswerDomain):
+    name = "d"
+
+    def demonstration(self, task):
+        return "ok"
+
+    def verify_one(self, task, completion):
+        if completion == "ok":
+            return VerifyResult(1.0, "correct")
+        return VerifyResult(0.0, "wrong", details={"feedback": f"not {completion}"})
+
+
+def test_multi_turn_evaluation_reports_pass_at_one_within_the_turns():
+    import jax
+
+    scripts = {"A": ["x", "ok"], "B": ["ok"], "C": ["x", "y"]}
+    tasks = [Task(id=p, domain="d", prompt=p, difficulty=1) for p in scripts]
+    sets = {"heldout": {"d": tasks}}
+
+    def evaluate(turns):
+        evaluator = ev.Evaluator(
+            _ScriptedPolicy(scripts), ByteTokenizer(), ev.Verifier({"d": _OkDomain()}),
+            max_new_tokens=4, chunk_size=2, turns=turns, feedback_tokens=32,
+        )  # fmt: skip
+        results, _ = evaluator.evaluate(None, sets, jax.random.key(0))
+        return ev.flatten_results(results, 1)
+
+    one, two = evaluate(1), evaluate(2)
+    # Greedy first answers: x, ok, x; second answers after feedback: ok (A), y (C).
+    assert one["eval/d/pass@1"] == two["eval/d/pass@1"] == pytest.approx(1 / 3)
+    assert two["eval/d/pass@1_turns"] == pytest.approx(2 / 3)
+    assert two["eval/d/mean_turns"] == pytest.approx(5 / 3)
+    # Single-turn evaluations keep their keys exactly.
+    assert set(two) - set(one) == {
+        "eval/d/pass@1_turns",
+        "eval/d/pass@1_turns_se",
+        "eval/d/mean_turns",
+    }

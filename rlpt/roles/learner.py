@@ -120,7 +120,9 @@ class PPOLearner:
     ) -> tuple[RolloutBatch, dict[str, int]]:
         """The learner's batch for ``traj`` (verdicts required) and its layout: the
         sampled prompt length, the response width and, packed, the real tokens scored.
-        The prompts are the loader's padded rows, used as they are."""
+        The prompts are the loader's padded rows, used as they are. ``max_new_tokens``
+        is the response width of the rollout (every turn and feedback of a multi-turn
+        one); multi-turn rows train on ``traj.loss_mask`` and attend over ``traj.mask``."""
         v = traj.verdicts
         prompt_tokens, prompt_mask = traj.prompt_tokens, traj.prompt_mask
         layout = {"prompt_len": int(prompt_tokens.shape[1]), "scored_tokens": None}
@@ -138,11 +140,20 @@ class PPOLearner:
             # of 8 so at most a few widths compile. Masked positions add nothing to any loss.
             width = min(max_new_tokens, -(-max(int(traj.lengths.max()), 1) // 8) * 8)
         layout["width"] = width
+        trained, present, imitate = traj.mask, None, v.success
+        if traj.loss_mask is not None:
+            # Multi-turn rows: the feedback tokens are context, not actions. Self-imitation
+            # takes rows solved at the first turn only: a row solved later holds wrong
+            # attempts among its model tokens.
+            trained, present = traj.loss_mask, traj.mask[:, :width]
+            if traj.turns is not None:
+                imitate = v.success * traj.turns.first_success
         batch = new_rollout_batch(
-            prompt_tokens, prompt_mask, traj.tokens[:, :width], traj.mask[:, :width],
+            prompt_tokens, prompt_mask, traj.tokens[:, :width], trained[:, :width],
             sequence_rewards=v.rewards, loss_weight=traj.loss_weight * v.weight,
             group_id=group_id, truncated=traj.truncated, step_token_id=step_id,
-            imitation_weight=v.success, behaviour_logp=traj.logprobs[:, :width],
+            imitation_weight=imitate, behaviour_logp=traj.logprobs[:, :width],
+            present_mask=present,
         )  # fmt: skip
         return batch, layout
 

@@ -9,6 +9,10 @@ process reward model was trained.
 
 A sample the sandbox failed to run, or whose reward is not finite, is kept (shapes
 stay fixed) with weight 0, and counted in ``counters``.
+
+A multi-turn row (``Trajectories.turns``) was verified turn by turn as it was rolled
+out; its verdict is its last completion's, already in ``turns.results``, and its reward
+that verdict's rule reward times ``turn_discount ** (turns - 1)``.
 """
 
 from __future__ import annotations
@@ -47,15 +51,23 @@ class RewardRole:
         rule_reward: CompositeReward,
         learned: LearnedRewards,
         counters: MutableMapping[str, int] | None = None,
+        *,
+        turn_discount: float = 1.0,
     ):
         self.verifier = verifier
         self.rule_reward = rule_reward
         self.learned = learned
         self.counters = counters if counters is not None else dict.fromkeys(COUNTERS, 0)
+        self.turn_discount = turn_discount
 
     def judge(self, traj: Trajectories) -> Trajectories:
         """``traj`` with its ``Verdicts``: per-sequence reward, weight, success, validity."""
-        results = self.verifier.verify(traj.names, traj.tasks, traj.texts)
+        if traj.turns is None:
+            results = self.verifier.verify(traj.names, traj.tasks, traj.texts)
+            discount = np.ones(len(traj))
+        else:
+            results = list(traj.turns.results)
+            discount = self.turn_discount ** (traj.turns.turns - 1.0)
         n = len(traj)
         rewards = np.zeros(n, np.float32)
         weight = np.ones(n, np.float32)
@@ -71,7 +83,7 @@ class RewardRole:
                 self.counters["nonfinite_rewards"] += 1
                 weight[i] = valid[i] = 0.0
                 continue
-            rewards[i] = total
+            rewards[i] = total * discount[i]
             success[i] = float(res.correct)
         verdicts = Verdicts(results=results, rewards=rewards, weight=weight, success=success,
                             valid=valid)  # fmt: skip

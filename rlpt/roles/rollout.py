@@ -5,6 +5,11 @@ prompt's token ids (left-padded once, by the loader), the response token ids the
 sampler drew (never decoded and re-encoded on the way to the learner), their behaviour
 log-probs under the sampling distribution, the response mask, and the policy version
 that generated them. The reward role adds its verdicts to the same rows (``Verdicts``).
+
+A multi-turn rollout (``MultiTurnRolloutWorker``, ``rlpt.roles.multiturn``) lays each row
+out as ``completion 1 | feedback 1 | completion 2 | ...``: ``mask`` covers every token of
+the row, ``loss_mask`` only the model's, and ``turns`` (a ``TurnRecord``) says how each
+row went.
 """
 
 from __future__ import annotations
@@ -33,6 +38,16 @@ class Verdicts:
 
 
 @dataclasses.dataclass(frozen=True)
+class TurnRecord:
+    """How each row of a multi-turn rollout went, all ``[N]`` (``results`` a list)."""
+
+    turns: np.ndarray  # int32 completions sampled (1..rollout.turns)
+    first_success: np.ndarray  # float32, 1 where the first completion was correct
+    success: np.ndarray  # float32, 1 where the last completion was correct
+    results: list  # the last completion's VerifyResult: the row's verdict
+
+
+@dataclasses.dataclass(frozen=True)
 class Trajectories:
     """Generated samples, one row each: ``[N]`` arrays, ``[N, T]`` for the response
     arrays (``T`` = the rollout's ``max_new_tokens``), and per-row lists."""
@@ -52,6 +67,10 @@ class Trajectories:
     difficulty: np.ndarray  # [N]
     policy_version: np.ndarray  # [N] the learner step whose weights generated the row
     verdicts: Verdicts | None = None
+    # Multi-turn rows: [N, T] 1 on the model's tokens (``mask`` also covers the
+    # environment's feedback tokens); None where every token of ``mask`` is the model's.
+    loss_mask: np.ndarray | None = None
+    turns: TurnRecord | None = None
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -75,16 +94,19 @@ class Trajectories:
         parts = [p if p.prompt_tokens.shape[1] == width else p._widened(width) for p in parts]
         fields = {}
         for f in dataclasses.fields(Trajectories):
-            if f.name == "verdicts":
+            if f.name in _RECORDS:
                 continue
-            fields[f.name] = join([getattr(p, f.name) for p in parts])
-        verdicts = None
-        if all(p.verdicts is not None for p in parts):
-            verdicts = Verdicts(**{
-                f.name: join([getattr(p.verdicts, f.name) for p in parts])
-                for f in dataclasses.fields(Verdicts)
-            })  # fmt: skip
-        return Trajectories(**fields, verdicts=verdicts)
+            values = [getattr(p, f.name) for p in parts]
+            fields[f.name] = None if any(v is None for v in values) else join(values)
+        for name, record in _RECORDS.items():
+            values = [getattr(p, name) for p in parts]
+            fields[name] = None
+            if all(v is not None for v in values):
+                fields[name] = record(**{
+                    f.name: join([getattr(v, f.name) for v in values])
+                    for f in dataclasses.fields(record)
+                })  # fmt: skip
+        return Trajectories(**fields)
 
     def _widened(self, width: int) -> Trajectories:
         """The same rows with ``width - P`` masked columns before each prompt; they repeat
@@ -96,20 +118,31 @@ class Trajectories:
         return dataclasses.replace(self, prompt_tokens=tokens, prompt_mask=mask)
 
 
+# Per-row records a Trajectories may carry (None when absent).
+_RECORDS = {"verdicts": Verdicts, "turns": TurnRecord}
+
+
 def _map_rows(traj: Trajectories, fn) -> Trajectories:
-    fields: dict[str, Any] = {
-        f.name: fn(getattr(traj, f.name)) for f in dataclasses.fields(traj) if f.name != "verdicts"
-    }
-    verdicts = None
-    if traj.verdicts is not None:
-        verdicts = Verdicts(**{
-            f.name: fn(getattr(traj.verdicts, f.name)) for f in dataclasses.fields(Verdicts)
-        })  # fmt: skip
-    return Trajectories(**fields, verdicts=verdicts)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(traj):
+        value = getattr(traj, f.name)
+        if value is None:
+            fields[f.name] = None
+        elif f.name in _RECORDS:
+            fields[f.name] = _RECORDS[f.name](**{
+                g.name: fn(getattr(value, g.name)) for g in dataclasses.fields(value)
+            })  # fmt: skip
+        else:
+            fields[f.name] = fn(value)
+    return Trajectories(**fields)
 
 
 class RolloutWorker:
     """Samples responses to a prompt batch with the current policy weights."""
+
+    # Seconds the last ``generate`` spent verifying (a multi-turn rollout verifies
+    # between turns; this one never does).
+    verify_s: float = 0.0
 
     def __init__(
         self,

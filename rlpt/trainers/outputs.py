@@ -59,6 +59,13 @@ def write_summary(
             "sft": pick("sft", "train", "pass@1"),
             "final": pick("final", "train", "pass@1"),
         }
+    if any("pass@1_turns" in r for r in ev.get("final", {}).get("heldout", {}).values()):
+        # Multi-turn runs (rollout.turns > 1): greedy pass@1 within the turns, beside the
+        # first-turn pass@1 above.
+        summary["eval"]["turns"] = {
+            "sft": pick("sft", "heldout", "pass@1_turns"),
+            "final": pick("final", "heldout", "pass@1_turns"),
+        }
     if "rl_start_elapsed_s" in meta:
         # What the continued-SFT control gets instead of RL (sft.continued_wall_s).
         summary["rl_wall_s"] = float(meta["elapsed_s"]) - float(meta["rl_start_elapsed_s"])

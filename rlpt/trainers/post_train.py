@@ -56,6 +56,7 @@ from rlpt.rewards.learned import LearnedRewards
 from rlpt.roles import (
     COUNTERS,
     ChunkedRolloutWorker,
+    MultiTurnRolloutWorker,
     PPOLearner,
     RewardRole,
     RolloutWorker,
@@ -117,6 +118,7 @@ class PostTrainRun:
         self.lora = config.model.lora.lora_config()
         self.ppo_cfg = config.ppo  # derived fields (num_groups, total_steps) filled in
         self.model_cfg = policy_lib.model_config(config)
+        self._check_turns_fit()
         self.domains = policy_lib.make_domains(config)
         self._check_workdir()
 
@@ -160,7 +162,8 @@ class PostTrainRun:
         verifier = Verifier(self.domains, self.pool)
         self.learned = LearnedRewards.from_config(config, self.tokenizer)
         self.learned.mesh = self.mesh
-        self.reward = RewardRole(verifier, rule_reward, self.learned, self.meta["counters"])
+        self.reward = RewardRole(verifier, rule_reward, self.learned, self.meta["counters"],
+                                 turn_discount=config.rollout.turn_discount)  # fmt: skip
 
         # Chunked reasoning (Delethink): rollouts and evaluation reason in chunks, each call
         # one window of prompt + carry + chunk; evaluation uses the full budget.
@@ -179,11 +182,13 @@ class PostTrainRun:
                 carry_tokens=chunking.carry_tokens,
             )  # fmt: skip
             eval_max_new = chunking.chunk_tokens * chunking.max_chunks
+        turns = config.rollout.turns
 
-        # Evaluation.
+        # Evaluation (with turns > 1 also the greedy pass@1 within the turns).
         evaluator = Evaluator(
             eval_sampler, self.tokenizer, verifier,
-            max_new_tokens=eval_max_new, chunk_size=config.eval.batch_size,
+            max_new_tokens=eval_max_new, chunk_size=config.eval.batch_size, turns=turns,
+            feedback_tokens=config.rollout.feedback_tokens,
         )  # fmt: skip
         self.eval_sets = make_eval_data(config, self.domains)
         self.evaluation = RunEvaluation(
@@ -238,6 +243,12 @@ class PostTrainRun:
                 chunk_tokens=chunking.chunk_tokens, carry_tokens=chunking.carry_tokens,
                 max_chunks=chunking.budget(0), sampling=sampling,
             )  # fmt: skip
+        elif turns > 1:
+            rollout = MultiTurnRolloutWorker(
+                self.sampler, self.tokenizer, verifier, domain_names=self.loader.names,
+                max_new_tokens=config.rollout.max_new_tokens, sampling=sampling, turns=turns,
+                feedback_tokens=config.rollout.feedback_tokens,
+            )  # fmt: skip
         else:
             rollout = RolloutWorker(
                 self.sampler, self.tokenizer, domain_names=self.loader.names,
@@ -245,7 +256,7 @@ class PostTrainRun:
             )  # fmt: skip
         make_batch_kwargs = dict(
             prompt_buckets=self.sampler.buckets, pad_id=self.tokenizer.pad_id,
-            step_id=self.tokenizer.step_id, max_new_tokens=config.rollout.max_new_tokens,
+            step_id=self.tokenizer.step_id, max_new_tokens=config.rollout.response_width,
         )  # fmt: skip
         if config.async_rl.enabled:
             self.ppo = AsyncPPOStage(
@@ -270,6 +281,20 @@ class PostTrainRun:
         self.profiler = StepProfiler(
             config.profile.steps, config.profile.dir or os.path.join(self.workdir, PROFILE_DIR)
         )
+
+    def _check_turns_fit(self) -> None:
+        """A multi-turn row (prompt, every completion, the feedback between) fits the model."""
+        r = self.config.rollout
+        if r.turns == 1:
+            return
+        window = max(r.buckets) + r.response_width
+        if window > self.model_cfg.max_seq_len:
+            raise ConfigError(
+                f"rollout.turns ({r.turns}) completions of rollout.max_new_tokens "
+                f"({r.max_new_tokens}) with rollout.feedback_tokens ({r.feedback_tokens}) "
+                f"between them, after the largest of rollout.buckets ({max(r.buckets)}), must "
+                f"fit model.max_seq_len ({self.model_cfg.max_seq_len}), got {window}"
+            )
 
     def _role_meshes(self):
         """(actor mesh, learner mesh): the first ``async_rl.actor_devices`` devices (-1: half)

@@ -1,6 +1,7 @@
 """The ``ppo`` stage: rollouts from the curriculum loader, rewards, PPO updates.
 
-Each step: the rollout role samples a prompt batch from the curriculum loader; the
+Each step: the rollout role samples a prompt batch from the curriculum loader (with
+``rollout.turns > 1``, retrying failed answers with the verifier's feedback); the
 reward role judges it (program synthesis runs in the sandbox pool); with
 ``rollout.filter_groups`` (DAPO's dynamic sampling) more prompt batches are drawn
 until the groups the update sees all have rewards that differ; the learner lays
@@ -207,8 +208,10 @@ class PPOStage:
             )
             t1 = time.perf_counter()
             traj = self.reward.judge(traj)
-            verify_s += time.perf_counter() - t1
-            generate_s += t1 - t0
+            # A multi-turn rollout verifies between its turns: that time is verification.
+            inner = self.rollout.verify_s
+            verify_s += time.perf_counter() - t1 + inner
+            generate_s += t1 - t0 - inner
             first = sum(len(p) for p in parts) // group_size
             v = traj.verdicts
             varied = group_varies(
@@ -268,6 +271,16 @@ class PPOStage:
             "ppo/dropped_samples": int((ro.update.verdicts.valid == 0).sum()),
             "ppo/varying_groups_frac": ro.informative_frac,
         }
+        if gen.turns is not None:
+            # Multi-turn rollouts: solved at the first try, solved within the turns (the
+            # verdict ``ppo/success`` reports too) and completions sampled per row.
+            t = gen.turns
+            for key, values in (
+                ("first_turn_success", t.first_success),
+                ("success_within_turns", t.success),
+                ("mean_turns", t.turns),
+            ):
+                m[f"ppo/{key}"] = float(values[valid].mean()) if valid.any() else float("nan")
         if self.config.rollout.filter_groups:
             m["ppo/rollout_rounds"] = ro.rounds
             m["ppo/update_varying_groups_frac"] = ro.update_informative_frac

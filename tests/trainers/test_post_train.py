@@ -427,3 +427,39 @@ def test_a_domain_reads_its_prompts_from_the_configured_source(tmp_path):
     )
     with pytest.raises(ValueError, match="data.sources.arithmetic.path .* does not exist"):
         post_train.PostTrainRun(missing, str(tmp_path / "other"))
+
+
+def test_multi_turn_rollouts_train_and_report_success_within_the_turns(tmp_path):
+    """``rollout.turns=2`` on the runlocal demo (no warm start, two PPO steps): wrong answers
+    are retried with the verifier's feedback (program_synthesis through the sandbox), the
+    update trains on the model's tokens only, and steps and the final evaluation report
+    success at the first turn and within the turns."""
+    config = _demo_config(**{
+        "rollout.turns": 2, "ppo_steps": 2, "stages": ("ppo",), "eval.train_items": 0,
+    })  # fmt: skip
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    records = _read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+    ppo = [r for r in records if r["stage"] == "ppo"]
+    assert [r["step"] for r in ppo] == [1, 2]
+    for r in ppo:
+        first, within = r["ppo/first_turn_success"], r["ppo/success_within_turns"]
+        # A row solved at the first turn stops there, so it is solved within the turns.
+        assert 0.0 <= first <= within <= 1.0 and within == r["ppo/success"]
+        assert 1.0 <= r["ppo/mean_turns"] <= 2.0
+        # Trained tokens per row: two completions of max_new_tokens (16) at most; the
+        # feedback between them is context, not counted.
+        assert 1.0 <= r["ppo/response_len"] <= 2 * 16
+        assert np.isfinite(r["ppo/loss"])
+    domains = ("arithmetic", "stepwise_math", "program_synthesis")
+    for domain in domains:
+        for split in ("", "ood/"):
+            assert 0.0 <= ppo[-1][f"eval/{domain}/{split}pass@1_turns"] <= 1.0
+            assert 1.0 <= ppo[-1][f"eval/{domain}/{split}mean_turns"] <= 2.0
+    assert set(summary["eval"]["turns"]["final"]) == set(domains)
+
+
+def test_multi_turn_rows_that_do_not_fit_the_model_are_refused_before_the_workdir(tmp_path):
+    # runlocal: bucket 64 + 20 completions of 16 + 19 feedbacks of 64 > 256 (tiny).
+    with pytest.raises(ValueError, match=r"must fit model.max_seq_len \(256\), got 1600"):
+        train.train_and_evaluate(_demo_config(**{"rollout.turns": 20}), str(tmp_path / "r"))
+    assert not os.path.exists(tmp_path / "r" / "run_config.json")
