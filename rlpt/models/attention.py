@@ -22,6 +22,14 @@ every backend: a hand-written ``custom_vjp`` recomputes each block in the backwa
 neither pass holds more than one ``[block_q, block_k]`` tile of scores. No library offers
 this for CPU: ``jax.nn.dot_product_attention``'s XLA path materialises the scores, cuDNN and
 Pallas kernels are GPU/TPU only.
+
+On CPU with bfloat16 inputs the dense and blockwise kernels write every product as a canonical
+batched dot (``[..., M, N] @ [..., N, P]``, float32 accumulation), the only form XLA:CPU
+hands to its bf16 matmul library; any other form it upcasts to float32 and runs ~6x slower
+(``rlpt.models.matmul``). Each product is arranged so that the large [T, S] operand (scores,
+probabilities, their gradients) is used in the layout it was made in: ``dV^T = dO^T P`` and
+``dK^T = Q^T dS`` instead of ``P^T dO`` and ``dS^T Q``, so only the [T, H] and [S, H] operands,
+small beside it, are written out transposed. Float32 inputs and other backends keep the einsums.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from rlpt.models.matmul import _physical_transpose
 
 _MASKED = -1e30  # the dense path's fill: finite, so a fully masked row gives no NaN
 
@@ -116,6 +126,91 @@ def visible(info: MaskInfo) -> jax.Array:
     return allowed
 
 
+def _canonical_dots(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether the products take canonical dots (module docstring): q, k and v in one
+    dtype other than float32, on CPU. Float32 dots are never upcast, and other backends'
+    matmul units take transposed operands directly, so both keep the einsums."""
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    return (
+        len(dtypes) == 1 and dtypes != {jnp.dtype(jnp.float32)} and jax.default_backend() == "cpu"
+    )
+
+
+def _bmm(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [..., M, N] @ b [..., N, P] -> [..., M, P] float32: a canonical batched dot."""
+    return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+
+
+def _row_term(d_out: jax.Array, out: jax.Array) -> jax.Array:
+    """D = sum_h dO O (float32) over the last axis of d_out and out, both head-major.
+
+    Head-major copies, not views of the [B T, N H] activations: a multiply-and-sum that
+    reads a bitcast of those to [B, T, K, 1, H] runs ~25x slower in XLA:CPU's YNNPACK
+    fusion (46 ms instead of ~1 ms at the PPO benchmark's shapes)."""
+    return jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+
+
+@jax.custom_vjp
+def _dense_canonical(q, k, v, allowed):
+    return _dense_canonical_fwd(q, k, v, allowed)[0]
+
+
+def _dense_canonical_fwd(q, k, v, allowed):
+    """``dense_attention`` as canonical dots (module docstring); the same masking and fill."""
+    b, t, kh, g, h = q.shape
+    s = k.shape[1]
+    q_rows = _physical_transpose(q, (0, 2, 3, 1, 4)).reshape(b, kh, g * t, h)
+    k_cols = _physical_transpose(k, (0, 2, 3, 1))  # [B, K, H, S]
+    v_rows = _physical_transpose(v, (0, 2, 1, 3))  # [B, K, S, H]
+    scores = _bmm(q_rows, k_cols).reshape(b, kh, g, t, s)
+    mask = allowed[:, None, None] if allowed.ndim == 3 else allowed
+    probs = jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1).astype(k.dtype)
+    out_rows = _bmm(probs.reshape(b, kh, g * t, s), v_rows)  # [B, K, G T, H]
+    out = jnp.transpose(out_rows.reshape(b, kh, g, t, h), (0, 3, 1, 2, 4))  # [B, T, K, G, H]
+    # Kept for the backward pass: the probabilities in the compute dtype, as the product
+    # used them ([B, K, G, T, S], half the bytes of the float32 ones autodiff keeps, and no
+    # mask or exp to redo), and the output head-major ([B, K, G T, H] float32) for D.
+    # A query with no visible key has no score gradient (the fill is a constant).
+    seen = mask.any(axis=-1)  # [B, 1, 1, T] or [B, K, G, T]
+    return out, (q, k, v, probs, out_rows, seen)
+
+
+def _dense_canonical_bwd(residuals, d_out):
+    """dV^T = dO^T P, dP = dO V^T, dS = P (dP - rowsum(dO O)), dQ = dS K, dK^T = Q^T dS."""
+    q, k, v, probs, out_rows, seen = residuals
+    b, t, kh, g, h = q.shape
+    s = k.shape[1]
+    dtype = k.dtype
+    # The cotangent in the compute dtype, as the products take it; the row term D uses the
+    # same rounded values so that each row of dS still sums to zero.
+    d_out = d_out.astype(dtype)
+    do_rows = _physical_transpose(d_out, (0, 2, 3, 1, 4)).reshape(b, kh, g * t, h)
+    delta = _row_term(do_rows, out_rows).reshape(b, kh, g, t)
+    do_cols = _physical_transpose(d_out, (0, 2, 4, 3, 1)).reshape(b, kh, h, g * t)
+    q_cols = _physical_transpose(q, (0, 2, 4, 3, 1)).reshape(b, kh, h, g * t)
+    k_rows = _physical_transpose(k, (0, 2, 1, 3))  # [B, K, S, H]
+    v_cols = _physical_transpose(v, (0, 2, 3, 1))  # [B, K, H, S]
+    p = probs.reshape(b, kh, g * t, s)
+    dv_cols = _bmm(do_cols, p)  # [B, K, H, S]
+    dp = _bmm(do_rows, v_cols).reshape(b, kh, g, t, s)
+    # Zeroing dP and D (not dS) of the rows that see nothing keeps the select right after
+    # the dot, where XLA leaves the dot alone: fused with the arithmetic below into one
+    # YNNPACK call, the product ran at half speed.
+    dp = jnp.where(seen[..., None], dp, 0.0)
+    delta = jnp.where(seen, delta, 0.0)
+    ds = probs.astype(jnp.float32) * (dp - delta[..., None])
+    ds = ds.astype(dtype).reshape(b, kh, g * t, s)
+    dq = _bmm(ds, k_rows).reshape(b, kh, g, t, h)
+    dk_cols = _bmm(q_cols, ds)  # [B, K, H, S]
+    dq = jnp.transpose(dq, (0, 3, 1, 2, 4)).astype(q.dtype)
+    dk = jnp.transpose(dk_cols, (0, 3, 1, 2)).astype(k.dtype)
+    dv = jnp.transpose(dv_cols, (0, 3, 1, 2)).astype(v.dtype)
+    return dq, dk, dv, None  # the mask has no cotangent
+
+
+_dense_canonical.defvjp(_dense_canonical_fwd, _dense_canonical_bwd)
+
+
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
     """Softmax attention over materialised scores (the reference path).
 
@@ -123,6 +218,8 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array
     per head, [B, K, G, T, S]. Returns [B, T, K, G, H] float32. A query with no visible key
     averages all values (its scores are all equal), as it always has.
     """
+    if _canonical_dots(q, k, v):
+        return _dense_canonical(q, k, v, allowed)
     dtype = k.dtype
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
     if allowed.ndim == 3:
@@ -178,29 +275,60 @@ def _scores(q, k, qi, kj, bq: int, bk: int) -> jax.Array:
     return jnp.einsum("bqkgh,bskh->bkgqs", qb, kb, preferred_element_type=jnp.float32)
 
 
-def _forward_blocks(q, k, v, info: MaskInfo, bq: int, bk: int):
-    """Padded inputs -> (acc [B, K, G, Tp, H], max [B, K, G, Tp], sum [B, K, G, Tp])."""
+def _block(x: jax.Array, i, size: int, axis: int) -> jax.Array:
+    """Block ``i`` (may be traced) of ``size`` entries along ``axis``."""
+    return jax.lax.dynamic_slice_in_dim(x, i * size, size, axis)
+
+
+def _add_block(x: jax.Array, y: jax.Array, i, size: int, axis: int) -> jax.Array:
+    """``x`` with ``y`` added to its block ``i`` along ``axis``."""
+    return jax.lax.dynamic_update_slice_in_dim(x, _block(x, i, size, axis) + y, i * size, axis)
+
+
+def _forward_blocks(q, k, v, info: MaskInfo, bq: int, bk: int, canonical: bool = False):
+    """Padded inputs -> (acc [B, K, G, Tp, H], max [B, K, G, Tp], sum [B, K, G, Tp]).
+
+    ``canonical``: every tile product a canonical dot (module docstring)."""
     b, tp, kh, g, h = q.shape
     sp = k.shape[1]
     nq, nk = tp // bq, sp // bk
     counts = _key_block_counts(info, bq, bk, nq, nk)
+    if canonical:
+        # Written out once, copies the size of q, k and v: Q K^T reads q rows and k columns,
+        # P V reads v rows.
+        q_rows = _physical_transpose(q, (0, 2, 3, 1, 4))  # [B, K, G, Tp, H]
+        k_cols = _physical_transpose(k, (0, 2, 3, 1))  # [B, K, H, Sp]
+        v_rows = _physical_transpose(v, (0, 2, 1, 3))  # [B, K, Sp, H]
 
     def query_block(qi):
+        # The query block's rows, sliced once outside the key loop.
+        qb = _block(q_rows, qi, bq, 3).reshape(b, kh, g * bq, h) if canonical else None
+
+        def tile_scores(kj):  # [B, K, G, bq, bk] float32
+            if canonical:
+                return _bmm(qb, _block(k_cols, kj, bk, 3)).reshape(b, kh, g, bq, bk)
+            return _scores(q, k, qi, kj, bq, bk)
+
+        def tile_values(p, kj):  # p [B, K, G, bq, bk] -> P V [B, K, G, bq, H] float32
+            if canonical:
+                p = p.astype(v.dtype).reshape(b, kh, g * bq, bk)
+                return _bmm(p, _block(v_rows, kj, bk, 2)).reshape(b, kh, g, bq, h)
+            vb = jax.lax.dynamic_slice_in_dim(v, kj * bk, bk, 1)
+            return jnp.einsum(
+                "bkgqs,bskh->bkgqh", p.astype(v.dtype), vb, preferred_element_type=jnp.float32
+            )
+
         def key_block(kj, carry):
             def update(carry):
                 acc, m, denom = carry
-                scores = _scores(q, k, qi, kj, bq, bk)
+                scores = tile_scores(kj)
                 scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
                 m_new = jnp.maximum(m, scores.max(axis=-1))
                 # Rows with nothing visible yet keep max -inf; shift them by 0 instead.
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(scores - m_safe[..., None])
                 alpha = jnp.exp(m - m_safe)
-                vb = jax.lax.dynamic_slice_in_dim(v, kj * bk, bk, 1)
-                pv = jnp.einsum(
-                    "bkgqs,bskh->bkgqh", p.astype(v.dtype), vb,
-                    preferred_element_type=jnp.float32,
-                )  # fmt: skip
+                pv = tile_values(p, kj)
                 return acc * alpha[..., None] + pv, m_new, denom * alpha + p.sum(axis=-1)
 
             # Key blocks outside the window, or of other segments, cost one mask tile only.
@@ -278,6 +406,69 @@ def _backward_blocks(q, k, v, info: MaskInfo, out, lse, d_out, bq: int, bk: int)
     return jax.lax.fori_loop(0, nq, query_block, init)
 
 
+def _backward_blocks_canonical(q, k, v, info: MaskInfo, out, lse, d_out, bq: int, bk: int):
+    """``_backward_blocks`` with every tile product a canonical dot (module docstring):
+    dV^T += dO^T P, dP = dO V^T, dQ += dS K, dK^T += Q^T dS."""
+    b, tp, kh, g, h = q.shape
+    sp = k.shape[1]
+    nq, nk = tp // bq, sp // bk
+    counts = _key_block_counts(info, bq, bk, nq, nk)
+    dtype = v.dtype
+    # The cotangent in the compute dtype, as the products take it; D uses the same rounded
+    # values so that each row of dS still sums to zero.
+    d_out = d_out.astype(dtype)
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    # Each operand in the layouts its products read, written out once (copies the size of
+    # q, k and v; the [bq, bk] tiles are only ever read in the layout they were made in).
+    q_rows = _physical_transpose(q, (0, 2, 3, 1, 4))  # [B, K, G, Tp, H]
+    q_cols = _physical_transpose(q, (0, 2, 4, 3, 1))  # [B, K, H, G, Tp]
+    do_rows = _physical_transpose(d_out, (0, 2, 3, 1, 4))  # [B, K, G, Tp, H]
+    out_rows = _physical_transpose(out.astype(jnp.float32), (0, 2, 3, 1, 4))
+    delta = _row_term(do_rows, out_rows)  # [B, K, G, Tp]
+    do_cols = _physical_transpose(d_out, (0, 2, 4, 3, 1))  # [B, K, H, G, Tp]
+    k_rows = _physical_transpose(k, (0, 2, 1, 3))  # [B, K, Sp, H]
+    k_cols = _physical_transpose(k, (0, 2, 3, 1))  # [B, K, H, Sp]
+    v_cols = _physical_transpose(v, (0, 2, 3, 1))  # [B, K, H, Sp]
+
+    def query_block(qi, carry):
+        dq, dk_cols, dv_cols = carry
+        qb_rows = _block(q_rows, qi, bq, 3).reshape(b, kh, g * bq, h)
+        qb_cols = _block(q_cols, qi, bq, 4).reshape(b, kh, h, g * bq)
+        dob_rows = _block(do_rows, qi, bq, 3).reshape(b, kh, g * bq, h)
+        dob_cols = _block(do_cols, qi, bq, 4).reshape(b, kh, h, g * bq)
+        lse_b = _block(lse, qi, bq, 3)  # [B, K, G, bq]
+        delta_b = _block(delta, qi, bq, 3)
+
+        def key_block(kj, carry):
+            def update(carry):
+                dq_b, dk_cols, dv_cols = carry
+                scores = _bmm(qb_rows, _block(k_cols, kj, bk, 3)).reshape(b, kh, g, bq, bk)
+                p = jnp.where(mask[:, None, None], jnp.exp(scores - lse_b[..., None]), 0.0)
+                dp = _bmm(dob_rows, _block(v_cols, kj, bk, 3)).reshape(b, kh, g, bq, bk)
+                ds = (p * (dp - delta_b[..., None])).astype(dtype).reshape(b, kh, g * bq, bk)
+                p = p.astype(dtype).reshape(b, kh, g * bq, bk)
+                dq_b = dq_b + _bmm(ds, _block(k_rows, kj, bk, 2))  # [B, K, G bq, H]
+                dk_cols = _add_block(dk_cols, _bmm(qb_cols, ds), kj, bk, 3)
+                dv_cols = _add_block(dv_cols, _bmm(dob_cols, p), kj, bk, 3)
+                return dq_b, dk_cols, dv_cols
+
+            mask = visible(info.slice_q(qi * bq, bq).slice_k(kj * bk, bk))
+            return jax.lax.cond(mask.any(), update, lambda c: c, carry)
+
+        dq_b = jnp.zeros((b, kh, g * bq, h), jnp.float32)
+        dq_b, dk_cols, dv_cols = jax.lax.fori_loop(
+            0, counts[qi], key_block, (dq_b, dk_cols, dv_cols)
+        )
+        dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_b.reshape(b, kh, g, bq, h), qi * bq, 3)
+        return dq, dk_cols, dv_cols
+
+    zeros_k = jnp.zeros((b, kh, h, sp), jnp.float32)
+    init = (jnp.zeros((b, kh, g, tp, h), jnp.float32), zeros_k, zeros_k)
+    dq, dk_cols, dv_cols = jax.lax.fori_loop(0, nq, query_block, init)
+    dq = jnp.transpose(dq, (0, 3, 1, 2, 4))  # [B, Tp, K, G, H]
+    return dq, jnp.transpose(dk_cols, (0, 3, 1, 2)), jnp.transpose(dv_cols, (0, 3, 1, 2))
+
+
 def _padded(q, k, v, info: MaskInfo, block_q: int, block_k: int):
     t, s = q.shape[1], k.shape[1]
     bq, bk = min(block_q, t), min(block_k, s)
@@ -307,9 +498,13 @@ def blockwise_partial(
     Not differentiable by itself: the backward of a sharded attention calls
     ``blockwise_partial_grads`` per shard with the combined output and log-sum-exp.
     """
+    return _partial(q, k, v, info, block_q, block_k, _canonical_dots(q, k, v))
+
+
+def _partial(q, k, v, info: MaskInfo, block_q: int, block_k: int, canonical: bool):
     t = q.shape[1]
     q, k, v, info, bq, bk = _padded(q, k, v, info, block_q, block_k)
-    acc, m, denom = _forward_blocks(q, k, v, info, bq, bk)
+    acc, m, denom = _forward_blocks(q, k, v, info, bq, bk, canonical)
     acc = jnp.moveaxis(acc, 3, 1)[:, :t]
     return acc, m[..., :t], denom[..., :t]
 
@@ -348,12 +543,18 @@ def blockwise_partial_grads(
     with respect to one K/V shard's contribution, given the output ``out`` [B, T, K, G, H]
     and log-sum-exp ``lse`` [B, K, G, T] combined over all shards and the cotangent
     ``d_out``; summing ``dq`` over shards gives the full query gradient."""
+    canonical = _canonical_dots(q, k, v)
+    return _partial_grads(q, k, v, info, out, lse, d_out, block_q, block_k, canonical)
+
+
+def _partial_grads(q, k, v, info, out, lse, d_out, block_q: int, block_k: int, canonical: bool):
     t, s = q.shape[1], k.shape[1]
     q, k, v, info, bq, bk = _padded(q, k, v, info, block_q, block_k)
     tp = q.shape[1]
     out, d_out = _pad_to(out, 1, tp), _pad_to(d_out, 1, tp)
     lse = _pad_to(lse, 3, tp)
-    dq, dk, dv = _backward_blocks(q, k, v, info, out, lse, d_out, bq, bk)
+    backward = _backward_blocks_canonical if canonical else _backward_blocks
+    dq, dk, dv = backward(q, k, v, info, out, lse, d_out, bq, bk)
     return dq[:, :t], dk[:, :s], dv[:, :s]
 
 
@@ -365,22 +566,20 @@ def _zero_cotangent(x):
     return np.zeros(x.shape, jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _blockwise(q, k, v, info, block_q, block_k):
-    return _blockwise_fwd(q, k, v, info, block_q, block_k)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _blockwise(q, k, v, info, block_q, block_k, canonical):
+    return _blockwise_fwd(q, k, v, info, block_q, block_k, canonical)[0]
 
 
-def _blockwise_fwd(q, k, v, info, block_q, block_k):
-    acc, m, denom = blockwise_partial(q, k, v, info, block_q=block_q, block_k=block_k)
+def _blockwise_fwd(q, k, v, info, block_q, block_k, canonical):
+    acc, m, denom = _partial(q, k, v, info, block_q, block_k, canonical)
     out, lse = combine_partials([(acc, m, denom)])
     return out, (q, k, v, info, out, lse)
 
 
-def _blockwise_bwd(block_q, block_k, residuals, d_out):
+def _blockwise_bwd(block_q, block_k, canonical, residuals, d_out):
     q, k, v, info, out, lse = residuals
-    dq, dk, dv = blockwise_partial_grads(
-        q, k, v, info, out, lse, d_out, block_q=block_q, block_k=block_k
-    )
+    dq, dk, dv = _partial_grads(q, k, v, info, out, lse, d_out, block_q, block_k, canonical)
     info_ct = jax.tree.map(_zero_cotangent, info)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), info_ct
 
@@ -405,7 +604,7 @@ def blockwise_attention(
     one whose mask tile is empty, e.g. before a sliding window, is skipped after building
     the tile). Differentiable: the backward recomputes every tile (custom VJP).
     """
-    return _blockwise(q, k, v, info, block_q, block_k)
+    return _blockwise(q, k, v, info, block_q, block_k, _canonical_dots(q, k, v))
 
 
 # ----------------------------------------------------------------------------- library kernels

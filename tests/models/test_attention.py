@@ -1,5 +1,7 @@
 """Attention kernels against a numpy loop over queries, and the model paths that use them."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,6 +160,161 @@ def test_key_shards_combine_to_the_whole():
         np.testing.assert_allclose(g[1], dk[:, lo:hi], atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(g[2], dv[:, lo:hi], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(grads[0][0] + grads[1][0], dq, atol=1e-5, rtol=1e-5)
+
+
+# bfloat16 on CPU: every product a canonical dot (rlpt.models.attention's docstring).
+
+_U = 2.0**-8  # bfloat16's unit roundoff (8 significant bits, round to nearest)
+
+
+def _bf16(x):
+    return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def _numpy_vjp_with_bounds(q, k, v, allowed, d_out, empty_rows):
+    """Attention and its gradients (float64, one head at a time), with first-order bounds
+    on how far a bfloat16 kernel may be from them.
+
+    allowed [B, K, G, T, S]. A query with no visible key averages all values with no score
+    gradient (``empty_rows="mean"``, the dense kernel) or gets zeros (``"zero"``, blockwise).
+    Returns ``{name: (value, bound)}`` for out, dq, dk, dv. The kernels' products are exact
+    on bfloat16 operands (float32 accumulation), so the error comes from rounding the
+    probabilities P to bfloat16 for P V and dO^T P, and dS = P (dP - D) for dS K and
+    Q^T dS (the dense kernel's dS also starts from the rounded P, and D = rowsum(dO O)
+    carries the output's error): 2u for dS, u for each of the others.
+    """
+    q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
+    b, t, kh, g, _ = q.shape
+    s = k.shape[1]
+    res = {n: (np.zeros(x.shape), np.zeros(x.shape)) for n, x in
+           (("out", q), ("dq", q), ("dk", k), ("dv", v))}  # fmt: skip
+    for r in range(b):
+        for c in range(kh):
+            kc, vc = k[r, :, c], v[r, :, c]  # [S, H]
+            for j in range(g):
+                qc, do, mask = q[r, :, c, j], d_out[r, :, c, j], allowed[r, c, j]
+                scores = qc @ kc.T  # [T, S]
+                p = np.zeros((t, s))
+                for i in range(t):
+                    if mask[i].any():
+                        e = np.exp(scores[i, mask[i]] - scores[i, mask[i]].max())
+                        p[i, mask[i]] = e / e.sum()
+                    elif empty_rows == "mean":
+                        p[i] = 1.0 / s
+                seen = mask.any(axis=1)[:, None]
+                dp = do @ vc.T
+                delta = (p * dp).sum(axis=1, keepdims=True)
+                ds = np.where(seen, p * (dp - delta), 0.0)
+                e_out = _U * p @ np.abs(vc)
+                e_delta = (np.abs(do) * e_out).sum(axis=1, keepdims=True)
+                e_ds = np.where(seen, 2 * _U * p * np.abs(dp - delta) + p * e_delta, 0.0)
+                for name, value, bound, index in (
+                    ("out", p @ vc, e_out, (r, slice(None), c, j)),
+                    ("dq", ds @ kc, e_ds @ np.abs(kc), (r, slice(None), c, j)),
+                    ("dk", ds.T @ qc, e_ds.T @ np.abs(qc), (r, slice(None), c)),
+                    ("dv", p.T @ do, _U * p.T @ np.abs(do), (r, slice(None), c)),
+                ):
+                    res[name][0][index] += value
+                    res[name][1][index] += bound
+    return res
+
+
+@pytest.mark.parametrize("kernel, per_head", [("dense", False), ("dense", True),
+                                              ("blockwise", False)])  # fmt: skip
+def test_bfloat16_kernels_match_float64_within_rounding_bounds(kernel, per_head):
+    """Grouped-query heads (G = 2), left and right padding (queries 0-4 of row 0 see no
+    key), per-head masks as MoBA gives them; blocks of 8 x 4 queries x keys over T = 13."""
+    (q, k, v, info), _ = _case("padded", t=13, seed=4)
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    allowed = A.visible(info)
+    if per_head:
+        keep = np.random.default_rng(5).random((B, K, G, 13, 13)) < 0.7
+        allowed = allowed[:, None, None] & jnp.asarray(keep)
+    d_out = np.random.default_rng(6).normal(size=q.shape).astype(np.float32)
+
+    def attend(q, k, v):
+        if kernel == "dense":
+            return A.dense_attention(q, k, v, allowed)
+        return A.blockwise_attention(q, k, v, info, block_q=8, block_k=4)
+
+    out, vjp = jax.vjp(jax.jit(attend), q, k, v)
+    dq, dk, dv = vjp(jnp.asarray(d_out))
+    per_head_mask = np.broadcast_to(
+        np.asarray(allowed)[:, None, None] if allowed.ndim == 3 else np.asarray(allowed),
+        (B, K, G, 13, 13),
+    )
+    empty_rows = "mean" if kernel == "dense" else "zero"
+    assert not per_head_mask.any(axis=-1).all()  # fully masked rows are in the case
+    ref = _numpy_vjp_with_bounds(q, k, v, per_head_mask, _bf16(d_out), empty_rows)
+    assert out.dtype == jnp.float32 and dq.dtype == dk.dtype == dv.dtype == jnp.bfloat16
+    for name, got in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        want, bound = ref[name]
+        if name != "out":  # the gradients come back rounded to bfloat16
+            bound = bound + _U * np.abs(want)
+        err = np.abs(np.asarray(got, np.float64) - want)
+        # 1e-5: float32 accumulation and second-order terms of the rounding.
+        assert (err <= bound + 1e-5).all(), (name, (err - bound).max())
+
+
+def test_float32_canonical_products_equal_the_einsums():
+    """Float32 keeps the einsums; the canonical kernels (called directly) agree with them to
+    float32 summation order."""
+    (q, k, v, info), _ = _case("padded", t=13, seed=7)
+    allowed = A.visible(info)
+    weights = np.random.default_rng(8).normal(size=q.shape).astype(np.float32)
+    assert not A._canonical_dots(q, k, v)
+    bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    assert A._canonical_dots(*bf16) == (jax.default_backend() == "cpu")
+
+    def value_and_grads(fn):
+        loss = lambda q, k, v: jnp.sum(fn(q, k, v) * weights)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    pairs = [
+        (lambda q, k, v: A._dense_canonical(q, k, v, allowed),
+         lambda q, k, v: A.dense_attention(q, k, v, allowed)),
+        (lambda q, k, v: A._blockwise(q, k, v, info, 8, 4, True),
+         lambda q, k, v: A._blockwise(q, k, v, info, 8, 4, False)),
+    ]  # fmt: skip
+    for canonical, einsum in pairs:
+        got, want = value_and_grads(canonical), value_and_grads(einsum)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+        for a, b in zip(got[1], want[1]):
+            # float32 sums in another order; D = rowsum(dO O) against autodiff's
+            # rowsum(dP P) cancels in dP - D, so the error is absolute (~H eps |dO| |V|).
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _dot_operand_dtypes(hlo: str) -> list[list[str]]:
+    """The operand dtypes of every dot in compiled HLO text."""
+    dots = []
+    for body in re.findall(r"^(?:ENTRY )?%.*?^}", hlo, re.M | re.S):
+        for operands in re.findall(r" dot\(([^)]*)\)", body):
+            names = [o.strip().lstrip("%") for o in operands.split(",")]
+            # Declared in this computation's header ("name: bf16[...]") or body
+            # ("%name = bf16[...] ...").
+            found = [re.search(rf"(?:\(|, |%){re.escape(n)}(?::| =) (\w+)\[", body) for n in names]
+            dots.append([m.group(1) if m else "?" for m in found])
+    return dots
+
+
+@pytest.mark.parametrize("kernel, n_dots", [("dense", 6), ("blockwise", 7)])
+def test_bfloat16_gradient_dots_take_bfloat16_operands_on_cpu(kernel, n_dots):
+    """No attention product is upcast to float32 by XLA, which it does to a bf16 dot that is
+    not canonical. Dense: 2 forward products and 4 gradient products; blockwise: 2 per tile
+    forward, and the backward recomputes the scores besides its 4."""
+    (q, k, v, info), _ = _case("padded", t=32, seed=9)
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+
+    def attend(q, k, v):
+        if kernel == "dense":
+            return A.dense_attention(q, k, v, A.visible(info))
+        return A.blockwise_attention(q, k, v, info, block_q=16, block_k=16)
+
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a) ** 2), argnums=(0, 1, 2)))
+    dots = _dot_operand_dtypes(grad.lower(q, k, v).compile().as_text())
+    assert len(dots) == n_dots
+    assert all(d == ["bf16", "bf16"] for d in dots), dots
 
 
 def _numpy_moba(q, k, v, pos, valid, seg, block, top_k):
