@@ -65,6 +65,12 @@ def _mean_se(values: list[float]) -> tuple[float, float | None]:
     return mean, math.sqrt(var / n)
 
 
+def _paired_summary(values: list[float]) -> dict:
+    mean, se = _mean_se(values)
+    return {"mean": round(mean, 4), "se": None if se is None else round(se, 4),
+            "pairs": len(values)}  # fmt: skip
+
+
 def _samples_to_target(run: dict[int, dict[str, float]], target: dict[str, float]):
     for samples in sorted(run):
         if all(run[samples].get(d, -1.0) >= v for d, v in target.items()):
@@ -135,19 +141,11 @@ def main(argv: list[str]) -> None:
     for arm in arms[1:]:
         pairs = [b - a for a, b in zip(finals[arms[0]], finals[arm])]
         if pairs:
-            mean, se = _mean_se(pairs)
-            report[arm][f"final_minus_{arms[0]}"] = {
-                "mean": round(mean, 4), "se": None if se is None else round(se, 4),
-                "pairs": len(pairs),
-            }  # fmt: skip
+            report[arm][f"final_minus_{arms[0]}"] = _paired_summary(pairs)
         if target is not None:
             ratios = [b / a for a, b in zip(to_target[arms[0]], to_target[arm]) if a and b]
             if ratios:
-                mean, se = _mean_se(ratios)
-                report[arm][f"samples_ratio_vs_{arms[0]}"] = {
-                    "mean": round(mean, 4), "se": None if se is None else round(se, 4),
-                    "pairs": len(ratios),
-                }  # fmt: skip
+                report[arm][f"samples_ratio_vs_{arms[0]}"] = _paired_summary(ratios)
     if target is not None:
         report["target"] = target
     print(json.dumps(report))
