@@ -108,7 +108,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # judges held-out answers by what the policy knows instead of memorising its pairs.
     config.reward_model.likelihood = True
 
-    # The 'prm' stage: Math-Shepherd labels from the policy's own continuations.
+    # The 'prm' stage: Math-Shepherd labels from the policy's own continuations, or with
+    # --config.process_reward.kind=implicit PRIME's implicit PRM, learned from outcome
+    # labels alone (rlpt.rewards.implicit).
     config.process_reward.domain = "stepwise_math"
     # Hard labels (does any continuation reach the answer) judge the step itself; a small
     # learning rate keeps the arithmetic the trunk starts with. Both as in

@@ -455,8 +455,10 @@ class RewardModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class ProcessRewardSection:
-    """The 'prm' stage: Math-Shepherd labels from the policy's own continuations."""
+    """The 'prm' stage: Math-Shepherd labels from the policy's own continuations, or
+    (``kind="implicit"``) PRIME's implicit PRM trained on outcome labels alone."""
 
+    kind: str = "math_shepherd"  # or "implicit" (rlpt.rewards.implicit)
     domain: str = "stepwise_math"
     label: str = "hard"  # "soft": the fraction of continuations that reach the answer
     label_tasks: int = 192  # per level
@@ -467,11 +469,16 @@ class ProcessRewardSection:
     learning_rate: float = 3e-5
     warmup_steps: int = 50
     likelihood: bool = True  # add each step's log-likelihood under the policy to its score
+    beta: float = 0.05  # implicit: r = beta * log(pi_phi / pi_ref) (PRIME's value)
+    samples: int = 4  # implicit: completions per prompt, labelled by the verifier
 
     def __post_init__(self):
+        _choice("process_reward.kind", self.kind, ("math_shepherd", "implicit"))
         _choice("process_reward.label", self.label, ("soft", "hard"))
         for name in ("label_tasks", "continuations", "heldout_tasks", "steps", "batch_size"):
             _at_least(f"process_reward.{name}", getattr(self, name), 1)
+        _at_least("process_reward.samples", self.samples, 2)
+        _positive("process_reward.beta", self.beta)
         _positive("process_reward.learning_rate", self.learning_rate)
         _at_least("process_reward.warmup_steps", self.warmup_steps, 0)
 

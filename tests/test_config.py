@@ -274,6 +274,12 @@ BAD_POST_TRAIN = [
     ({"mesh__sequence": 0}, "mesh.sequence must be a positive integer or -1, got 0"),
     ({"mesh__sequence": -1}, "at most one mesh axis may be -1, got mesh.data and mesh.sequence"),
     ({"reward_model__refresh_every": -1}, "reward_model.refresh_every must be >= 0, got -1"),
+    (
+        {"process_reward__kind": "prime"},
+        "process_reward.kind must be one of ('math_shepherd', 'implicit'), got 'prime'",
+    ),
+    ({"process_reward__beta": 0.0}, "process_reward.beta must be > 0, got 0"),
+    ({"process_reward__samples": 1}, "process_reward.samples must be >= 2, got 1"),
     ({"rollout__filter_max_rounds": 0}, "rollout.filter_max_rounds must be >= 1, got 0"),
     ({"rollout__turns": 0}, "rollout.turns must be >= 1, got 0"),
     ({"rollout__feedback_tokens": 0}, "rollout.feedback_tokens must be >= 1, got 0"),

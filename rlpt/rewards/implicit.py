@@ -325,8 +325,9 @@ def train_implicit_prm(
     each step's metrics (``loss``, ``accuracy``, ``reward_correct``, ``reward_wrong``, ...).
 
     ``examples``: ``(prompt ids, response ids, label)``. ``pi_phi`` starts as a copy of
-    ``policy_params`` (the training state is donated, so the policy's own arrays must not
-    be in it); the reference is ``policy_params`` itself, read once for ``ref_logp``.
+    ``policy_params`` and the PRM keeps another as its reference: the PRM's training
+    state is donated, and so is the policy's in a PPO update that follows, so neither may
+    hold the other's arrays (holding the policy's own crashed the scoring after an update).
     Minibatches of ``batch_size`` rows are drawn uniformly with replacement.
     """
     if steps < 1 or batch_size < 1:
@@ -346,7 +347,8 @@ def train_implicit_prm(
         pick = rng.integers(0, len(examples), size=batch_size)
         state, m = trainer.step(state, {k: v[pick] for k, v in data.items()})
         history.append({k: float(v) for k, v in jax.device_get(m).items()})
-    prm = ImplicitPRM(graphdef, state.params, policy_params, beta=beta, frozen=frozen)
+    reference = jax.tree.map(jnp.copy, policy_params)
+    prm = ImplicitPRM(graphdef, state.params, reference, beta=beta, frozen=frozen)
     return prm, history
 
 

@@ -6,7 +6,10 @@ and replaces the batch's per-token rewards with
 ``rlpt.rewards.composite.assemble_rewards``: the verifier and rule terms on the last
 token, the reward-model score there too, and process rewards at every step's last
 token (aggregated by ``rewards.process_aggregation``), the learned terms under running
-normalisation and clipping. A ``RewardMonitor`` tracks, per domain, how often the
+normalisation and clipping. With ``process_reward.kind="implicit"`` the process rewards
+are PRIME's instead (``rlpt.rewards.implicit``): each step's summed
+``beta * log pi_phi / pi_ref``, where ``pi_phi`` and its frozen reference share the
+policy's graph and are both checkpointed. A ``RewardMonitor`` tracks, per domain, how often the
 learned verdict agrees with the verifier; that agreement is the curriculum's
 per-domain confidence and its collapse flags reward hacking.
 
@@ -33,6 +36,7 @@ from rlpt.models import ProcessRewardModel, RewardModel, create_model
 from rlpt.parallel import batch_sharding, replicated, state_shardings
 from rlpt.parallel.multihost import to_device
 from rlpt.rewards.composite import NormState, RewardConfig, assemble_rewards, init_norm_state
+from rlpt.rewards.implicit import ImplicitPRM, rollout_implicit_rewards
 from rlpt.rewards.monitor import MonitorConfig, RewardMonitor, _DomainStats
 from rlpt.rewards.preferences import Trace, traces_from_results
 from rlpt.rewards.scoring import RewardModelRefresher, rollout_process_scores, rollout_rm_scores
@@ -40,6 +44,9 @@ from rlpt.rewards.train import TrainConfig, rm_trainer
 
 RM_KEY, PRM_KEY, NORM_KEY = "reward_model", "process_reward_model", "reward_norm"
 RM_STATE_KEY = "reward_model_state"  # parameters and optimiser state, when refreshing
+# The implicit PRM: pi_phi and its frozen reference (the policy it started from, which
+# PPO moves away from, so it is stored rather than read back from the learner).
+IMPLICIT_KEY, IMPLICIT_REF_KEY = "implicit_prm", "implicit_prm_ref"
 
 
 def reward_model_trainer(c, graph, mesh=None):
@@ -70,6 +77,12 @@ class LearnedRewards:
     refresher: RewardModelRefresher | None = None
     prm_likelihood: bool = False  # the process reward model adds each step's log-likelihood
     mesh: Any = None  # the run's mesh: scoring runs sharded on it
+    prm_kind: str = "math_shepherd"  # process_reward.kind
+    implicit: ImplicitPRM | None = None  # the trained implicit PRM (prm_kind "implicit")
+    implicit_beta: float = 0.05  # process_reward.beta
+    # The policy's graph and a template of its full state: what restores the implicit PRM.
+    policy_graph: Any = None
+    policy_template: Any = None
 
     @classmethod
     def from_config(cls, config, tokenizer) -> LearnedRewards:
@@ -84,6 +97,8 @@ class LearnedRewards:
             rm_likelihood=bool(config.reward_model.likelihood),
             prm_likelihood=bool(config.process_reward.likelihood),
             rm_config=config.reward_model, tokenizer=tokenizer,
+            prm_kind=str(config.process_reward.kind),
+            implicit_beta=float(config.process_reward.beta),
         )  # fmt: skip
 
     @property
@@ -125,8 +140,13 @@ class LearnedRewards:
     def active(self) -> bool:
         """Whether PPO's rewards include a learned term."""
         return (self.rm_params is not None and self.reward_config.reward_model != 0) or (
-            self.prm_params is not None and self.reward_config.process != 0
+            self.has_prm and self.reward_config.process != 0
         )
+
+    @property
+    def has_prm(self) -> bool:
+        """Whether a process reward model (either kind) is trained."""
+        return self.prm_params is not None or self.implicit is not None
 
     def _place(self) -> None:
         """Models and normaliser on the run's mesh (a no-op for what already is), so the
@@ -136,6 +156,9 @@ class LearnedRewards:
         )  # fmt: skip
         self.rm_params = params(self.rm_params)
         self.prm_params = params(self.prm_params)
+        if self.implicit is not None:
+            self.implicit.params = params(self.implicit.params)
+            self.implicit.ref_params = params(self.implicit.ref_params)
         self.norm = to_device(self.norm, replicated(self.mesh))
 
     def set_rm(self, graph, params) -> None:
@@ -143,6 +166,13 @@ class LearnedRewards:
 
     def set_prm(self, graph, params) -> None:
         self.prm_graph, self.prm_params = graph, params
+
+    def set_implicit_prm(self, prm: ImplicitPRM) -> None:
+        self.implicit = prm
+
+    def set_policy(self, graph, template) -> None:
+        """The policy's graph and a template of its full state (for restoring pi_phi)."""
+        self.policy_graph, self.policy_template = graph, template
 
     # Checkpointed arrays and their restore templates.
     def items(self) -> dict[str, Any]:
@@ -153,6 +183,9 @@ class LearnedRewards:
             out[RM_KEY] = self.rm_params
         if self.prm_params is not None:
             out[PRM_KEY] = self.prm_params
+        if self.implicit is not None:
+            out[IMPLICIT_KEY] = self.implicit.params
+            out[IMPLICIT_REF_KEY] = self.implicit.ref_params
         return out
 
     def templates(self, names, model_cfg, step_id: int) -> dict[str, Any]:
@@ -182,6 +215,11 @@ class LearnedRewards:
                 jax.random.key(0),
             )
             out[PRM_KEY] = params
+        if IMPLICIT_KEY in names:
+            if self.policy_template is None:
+                raise ValueError("restoring an implicit PRM needs set_policy() first")
+            out[IMPLICIT_KEY] = self.policy_template
+            out[IMPLICIT_REF_KEY] = self.policy_template
         return out
 
     def set_items(self, items: Mapping[str, Any]) -> None:
@@ -191,6 +229,11 @@ class LearnedRewards:
             self.rm_state = items[RM_STATE_KEY]
             self.rm_params = self.rm_state.params
         self.prm_params = items.get(PRM_KEY, self.prm_params)
+        if IMPLICIT_KEY in items:
+            self.implicit = ImplicitPRM(
+                self.policy_graph, items[IMPLICIT_KEY], items[IMPLICIT_REF_KEY],
+                beta=self.implicit_beta,
+            )  # fmt: skip
 
     def monitor_state(self) -> dict[str, Any]:
         return {name: dataclasses.asdict(s) for name, s in self.monitor.stats.items()}
@@ -208,7 +251,13 @@ class LearnedRewards:
         rm_scores = process = steps = None
         if self.rm_params is not None and self.reward_config.reward_model:
             rm_scores = _rm_scores(self.rm_graph, self.rm_params, batch)
-        if self.prm_params is not None and self.reward_config.process:
+        if self.implicit is not None and self.reward_config.process:
+            prm = self.implicit
+            process, steps = _implicit_scores(
+                prm.graphdef, prm.beta, self.step_id, self.answer_id, prm.params,
+                prm.ref_params, prm.frozen, batch,
+            )  # fmt: skip
+        elif self.prm_params is not None and self.reward_config.process:
             process, steps = _process_scores(
                 self.prm_graph, self.prm_params, batch, self.step_id, self.answer_id
             )
@@ -217,10 +266,13 @@ class LearnedRewards:
             self.reward_config, self.norm, batch.response_mask, outcome, rm_scores, process, steps
         )
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        # The monitor compares the learned verdict with the verifier's: the RM score, or
-        # the weakest step's PRM probability (centred so 0.5 is the threshold).
+        # The monitor compares the learned verdict with the verifier's: the RM score, the
+        # implicit PRM's outcome logit (its step rewards summed), or the weakest step's
+        # PRM probability (centred so 0.5 is the threshold).
         if rm_scores is not None:
             learned = np.asarray(rm_scores)
+        elif self.implicit is not None:
+            learned = np.sum(np.asarray(process) * np.asarray(steps), axis=1)
         else:
             p = np.where(np.asarray(steps) > 0, np.asarray(process), np.inf).min(axis=1)
             learned = np.where(np.isfinite(p), p, 0.0) - 0.5
@@ -236,6 +288,14 @@ def _rm_scores(graph, params, batch):
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
 def _process_scores(graph, params, batch, step_id, answer_id):
     return rollout_process_scores(graph, params, batch, step_id=step_id, answer_id=answer_id)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _implicit_scores(graph, beta, step_id, answer_id, params, ref_params, frozen, batch):
+    return rollout_implicit_rewards(
+        graph, params, ref_params, batch, beta=beta, step_id=step_id, answer_id=answer_id,
+        frozen=frozen,
+    )  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnums=0)

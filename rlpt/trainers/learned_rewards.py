@@ -12,7 +12,13 @@ samples solutions of ``process_reward.domain``, and from every step prefix it
 samples ``continuations`` completions in one batched job; a step's soft label is
 the fraction that reach the verified answer. Planted wrong steps are added so
 that wrong steps are well represented. Trained with binary cross-entropy at the
-step separators; held-out step ROC-AUC on planted errors is logged.
+step separators; held-out step ROC-AUC on planted errors is logged. With
+``process_reward.kind="implicit"`` it is PRIME's implicit PRM instead
+(``rlpt.rewards.implicit``): the policy samples ``samples`` completions of each
+prompt at the rollout temperature, the verifier labels each by its outcome, and a
+copy of the policy ``pi_phi`` learns them by cross-entropy on
+``beta * sum log pi_phi / pi_ref``; held-out ROC-AUC of that outcome logit against
+the verifier's labels on fresh prompts' samples is logged.
 
 Each stage gets a ``StageContext`` (step counter, keys, metrics sink) and the
 ``RewardStageInputs`` it reads; the trained models go to ``LearnedRewards``
@@ -31,6 +37,7 @@ from absl import logging
 
 from rlpt.models import ProcessRewardModel, RewardModel, create_model
 from rlpt.rewards.data import correctness_pairs, planted_error_solutions
+from rlpt.rewards.implicit import ImplicitPRM, encode_implicit_examples, train_implicit_prm
 from rlpt.rewards.learned import LearnedRewards, reward_model_trainer
 from rlpt.rewards.losses import pairwise_accuracy, roc_auc
 from rlpt.rewards.preferences import encode_pairs, encode_sequence, load_preferences
@@ -55,6 +62,7 @@ class RewardStageInputs:
     sampler: Sampler
     learned: LearnedRewards
     mesh: Any = None  # the run's mesh: the reward models train sharded on it
+    policy_graph: Any = None  # the policy's graph: an implicit PRM is a copy of the policy
 
 
 def _batches(n: int, batch_size: int, steps: int, rng: np.random.Generator):
@@ -166,8 +174,12 @@ def _rm_heldout(graph, params, heldout, tokenizer, max_len) -> dict[str, float]:
 
 
 def prm_stage(ctx: StageContext, run: RewardStageInputs) -> None:
-    """Labels the policy's solutions the Math-Shepherd way and trains the PRM on them."""
+    """Labels the policy's solutions the Math-Shepherd way and trains the PRM on them
+    (or, for ``process_reward.kind="implicit"``, ``implicit_prm_stage``)."""
     c = run.config.process_reward
+    if c.kind == "implicit":
+        implicit_prm_stage(ctx, run)
+        return
     seed = run.config.seed
     dom = run.domains[c.domain]
     tok = run.tokenizer
@@ -259,3 +271,100 @@ def _prm_heldout_auc(graph, params, dom, tok, n_tasks, level, seed, max_len) -> 
     )
     on = ev["label_mask"] > 0
     return roc_auc(probs[on], ev["labels"][on])
+
+
+# -- the implicit PRM (PRIME) ----------------------------------------------------------------
+
+
+def implicit_prm_stage(ctx: StageContext, run: RewardStageInputs) -> None:
+    """Trains PRIME's implicit PRM on the verifier's outcome labels of the policy's samples;
+    sets ``run.learned``'s implicit PRM. One global step per optimiser step, logged as
+    ``prm/*`` every ``sft.log_every`` steps and on the last, which adds the held-out
+    ``prm/heldout_outcome_roc_auc``."""
+    c = run.config.process_reward
+    if run.policy_graph is None:
+        raise ValueError("process_reward.kind='implicit' needs the policy graph")
+    seed = run.config.seed
+    dom = run.domains[c.domain]
+    level = run.levels[c.domain]
+    key = jax.random.fold_in(ctx.keys["init"], 14)
+    tasks = [
+        t for lv in range(1, level + 1)
+        for t in dom.tasks("train", c.label_tasks, lv, seed=seed + 404)
+    ]  # fmt: skip
+    examples = _outcome_examples(run, tasks, jax.random.fold_in(key, 0))
+    if len(examples) < c.batch_size:
+        raise ValueError(
+            f"implicit process reward model: only {len(examples)} sampled solutions fit "
+            f"model.max_seq_len={run.model_cfg.max_seq_len}; need at least "
+            f"process_reward.batch_size={c.batch_size}"
+        )
+    prm, history = train_implicit_prm(
+        run.policy_graph, run.policy_params, examples, pad_id=run.tokenizer.pad_id,
+        pad_to=run.model_cfg.max_seq_len, steps=c.steps, batch_size=c.batch_size,
+        cfg=TrainConfig(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps),
+        beta=c.beta, seed=seed + 505, mesh=run.mesh,
+    )  # fmt: skip
+    held = dom.tasks("heldout", c.heldout_tasks, level, seed=seed + 606)
+    heldout = _outcome_examples(run, held, jax.random.fold_in(key, 1))
+    # train_implicit_prm runs its steps in one go; each is one global step, logged as
+    # the Math-Shepherd stage logs its own.
+    log_every = run.config.sft.log_every
+    correct = sum(label for _, _, label in examples)
+    for i, m in enumerate(history):
+        ctx.advance()
+        last = i == len(history) - 1
+        if last or (i + 1) % log_every == 0:
+            metrics = {f"prm/{k}": v for k, v in m.items()}
+            if last:
+                metrics.update({
+                    "prm/train_solutions": len(examples),
+                    "prm/train_correct_fraction": correct / len(examples),
+                    "prm/heldout_outcome_roc_auc": _implicit_heldout_auc(
+                        prm, heldout, run.tokenizer.pad_id, run.model_cfg.max_seq_len
+                    ),
+                })  # fmt: skip
+            ctx.write(metrics, "prm")
+    run.learned.set_implicit_prm(prm)
+    ctx.meta.setdefault("reward_models", {})["prm"] = {
+        "heldout_outcome_roc_auc": float(metrics["prm/heldout_outcome_roc_auc"])
+    }
+
+
+def _outcome_examples(run: RewardStageInputs, tasks, key) -> list[tuple[list, list, float]]:
+    """``samples`` completions of each task by the policy at the rollout temperature,
+    as ``(prompt ids, response ids, verifier says correct)``; rows that do not fit
+    ``model.max_seq_len`` are dropped."""
+    c, tok = run.config.process_reward, run.tokenizer
+    max_len = run.model_cfg.max_seq_len
+    repeated = [t for t in tasks for _ in range(c.samples)]
+    prompts = [tok.encode(t.prompt, add_bos=True) for t in repeated]
+    out = run.sampler.generate(
+        run.policy_params, prompts, key, max_new_tokens=run.config.rollout.max_new_tokens,
+        sampling=SamplingParams(temperature=float(run.config.rollout.temperature)),
+    )  # fmt: skip
+    responses = [
+        [int(x) for x in np.asarray(out.tokens[i][: int(out.lengths[i])])]
+        for i in range(len(repeated))
+    ]
+    texts = [decode_response(tok, r) for r in responses]
+    verdicts = run.domains[run.config.process_reward.domain].verify_batch(repeated, texts)
+    return [
+        (p, r, float(v.correct)) for p, r, v in zip(prompts, responses, verdicts, strict=True)
+        if r and len(p) + len(r) <= max_len
+    ]  # fmt: skip
+
+
+def _implicit_heldout_auc(prm: ImplicitPRM, examples, pad_id: int, max_len: int) -> float:
+    """ROC-AUC of the outcome logit ``r_phi(y)`` against the verifier's labels (NaN when
+    the held-out samples are all right or all wrong)."""
+    if not examples:
+        return float("nan")
+    ev = encode_implicit_examples(examples, pad_id=pad_id, pad_to=max_len)
+    logits = np.concatenate([
+        np.asarray(prm.outcome_logits(
+            ev["tokens"][i : i + 64], ev["mask"][i : i + 64], ev["response_mask"][i : i + 64]
+        ))
+        for i in range(0, len(examples), 64)
+    ])  # fmt: skip
+    return roc_auc(logits, ev["labels"] > 0.5)

@@ -162,6 +162,10 @@ class PostTrainRun:
         verifier = Verifier(self.domains, self.pool)
         self.learned = LearnedRewards.from_config(config, self.tokenizer)
         self.learned.mesh = self.mesh
+        # An implicit PRM is a copy of the policy: its checkpoint restores into this shape.
+        self.learned.set_policy(
+            self.policy_graph, jax.eval_shape(full_policy, self.init_params, self.base_params)
+        )
         self.reward = RewardRole(verifier, rule_reward, self.learned, self.meta["counters"],
                                  turn_discount=config.rollout.turn_discount)  # fmt: skip
 
@@ -542,6 +546,7 @@ class PostTrainRun:
             config=self.config, policy_params=self._policy_params(), model_cfg=self.model_cfg,
             tokenizer=self.tokenizer, domains=self.domains, levels=self.levels,
             sampler=self.sampler, learned=self.learned, mesh=self.mesh,
+            policy_graph=self.policy_graph,
         )  # fmt: skip
 
     def _policy_params(self):

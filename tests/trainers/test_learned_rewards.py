@@ -311,3 +311,81 @@ def test_rm_and_prm_stages_beat_their_untrained_start_on_heldout_items(monkeypat
     # Seed 0: pairwise accuracy 0.34 to 1.0, step ROC-AUC 0.42 to 0.99.
     for key in (rm_key, prm_key):
         assert end[key] >= start[key] + 0.3, (key, start[key], end[key])
+
+
+# -- the implicit PRM (PRIME) as the prm stage -----------------------------------------------
+
+IMPLICIT = {
+    "stages": ("sft", "prm", "ppo"),
+    "process_reward.kind": "implicit",
+    "rewards.process": 0.5,
+    "ppo.estimator": "gae",
+    "rollout.filter_groups": False,
+    "ppo_steps": 2,
+    "eval.train_items": 0,
+}
+
+
+def test_implicit_prm_stage_trains_and_its_rewards_reach_ppo(tmp_path):
+    workdir = str(tmp_path / "implicit")
+    summary = train.train_and_evaluate(_demo_config(**IMPLICIT), workdir)
+    records = _read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    prm = [r for r in records if r["stage"] == "prm"]
+    assert prm and all(np.isfinite(r["prm/loss"]) for r in prm)
+    last = prm[-1]
+    for key in ("prm/accuracy", "prm/reward_correct", "prm/reward_wrong"):
+        assert key in last, key
+    assert last["prm/train_solutions"] > 0
+    # "nan" (metrics.jsonl's spelling) when the held-out samples are all right or all
+    # wrong, as a tiny runlocal policy's usually are.
+    auc = last["prm/heldout_outcome_roc_auc"]
+    assert auc == "nan" or 0.0 <= auc <= 1.0
+    assert "heldout_outcome_roc_auc" in summary["reward_models"]["prm"]
+    ppo = [r for r in records if r["stage"] == "ppo"]
+    assert len(ppo) == 2
+    # pi_phi has moved from its reference, so the step rewards are not all zero.
+    assert any(r["reward/process"] != 0.0 for r in ppo)
+    assert all(np.isfinite(r["reward/process"]) for r in ppo)
+
+
+def test_implicit_prm_checkpoint_restores_pi_phi_and_its_reference():
+    import jax
+
+    from rlpt.models import CausalLM, create_model, get_preset
+    from rlpt.rewards.implicit import ImplicitPRM
+    from rlpt.rewards.learned import IMPLICIT_KEY, IMPLICIT_REF_KEY
+    from rlpt.tokenizers import ByteTokenizer
+
+    tok = ByteTokenizer()
+    cfg = get_preset("tiny").replace(max_seq_len=16)
+    graph, ref = create_model(lambda r: CausalLM(cfg, rngs=r), jax.random.key(0))
+    _, phi = create_model(lambda r: CausalLM(cfg, rngs=r), jax.random.key(1))
+    config = _demo_config(**IMPLICIT)
+
+    def learned():
+        out = LearnedRewards.from_config(config, tok)
+        out.set_policy(graph, jax.eval_shape(lambda: ref))
+        return out
+
+    saved = learned()
+    saved.set_implicit_prm(ImplicitPRM(graph, phi, ref, beta=0.05))
+    assert saved.active
+    items = saved.items()
+    assert items[IMPLICIT_KEY] is phi and items[IMPLICIT_REF_KEY] is ref
+    fresh = learned()
+    template = fresh.templates(list(items), cfg, tok.step_id)
+    assert jax.tree.structure(template[IMPLICIT_KEY]) == jax.tree.structure(phi)
+    fresh.set_items(items)
+    assert fresh.implicit.params is phi and fresh.implicit.ref_params is ref
+    assert fresh.implicit.beta == 0.05 and fresh.implicit.graphdef is graph
+
+    # Both score a rollout alike: step rewards at step ends, summing to the outcome logit.
+    prompt = np.asarray([tok.encode("1+1=", add_bos=True)] * 2, np.int32)
+    response = np.asarray([tok.encode("2<step><answer>2", add_eos=True)] * 2, np.int32)
+    batch = new_rollout_batch(
+        prompt, np.ones_like(prompt, bool), response, np.ones(response.shape, np.float32),
+        sequence_rewards=np.asarray([1.0, 0.0], np.float32),
+    )  # fmt: skip
+    a, _, _ = saved.apply(batch, ["d", "d"], np.asarray([1.0, 0.0]), np.ones(2))
+    b, _, _ = fresh.apply(batch, ["d", "d"], np.asarray([1.0, 0.0]), np.ones(2))
+    np.testing.assert_array_equal(np.asarray(a.rewards), np.asarray(b.rewards))
