@@ -75,12 +75,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     elif arm == "rl_uniform":
         config.curriculum.strategy = "uniform"
     if runlocal:
-        config.train_max_level.default = 1
-        config.sft.demonstrations = 8
-        config.sft.token_budget = 1500
-        config.sft.eval_every = 4
+        shrink_fixed_demonstrations_for_runlocal(config)
         config.sft.continued_wall_s = 2.0
         config.eval.heldout_items = 4
-        config.eval.periodic_items = 0
-        config.rollout.max_new_tokens = 16
     return config
+
+
+def shrink_fixed_demonstrations_for_runlocal(config: ml_collections.ConfigDict) -> None:
+    """A smoke-sized fixed demonstration set, SFT checked often, short generations."""
+    config.train_max_level.default = 1
+    config.sft.demonstrations = 8
+    config.sft.token_budget = 1500
+    config.sft.eval_every = 4
+    config.eval.periodic_items = 0
+    config.rollout.max_new_tokens = 16

@@ -21,7 +21,8 @@ import sys
 import ml_collections
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import demo  # noqa: E402  (a sibling config file, not a package)
+import demo  # noqa: E402  (sibling config files, not a package)
+import efficacy  # noqa: E402
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -44,11 +45,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rollout.buckets = (96,)
     config.eval.heldout_split = "validation"
     if runlocal:
-        config.sft.demonstrations = 8
-        config.sft.token_budget = 1500
-        config.sft.eval_every = 4
-        config.rollout.max_new_tokens = 16
+        efficacy.shrink_fixed_demonstrations_for_runlocal(config)
         config.rollout.feedback_tokens = 24
         config.rollout.turns = 2
-        config.eval.periodic_items = 0
     return config
