@@ -257,9 +257,12 @@ def test_eval_overrides_redraw_items_without_touching_the_run(reference_run, mon
 
     monkeypatch.setattr(eval_lib, "make_eval_sets", spy)
     out = eval_lib.evaluate_checkpoint(
-        workdir, eval_overrides={"seed": 7, "heldout_items": 6, "ood_items": 0, "train_items": 4}
-    )
+        workdir, eval_overrides={"seed": 7, "heldout_items": 6, "ood_items": 0, "train_items": 4,
+                                 "heldout_split": "test"},
+    )  # fmt: skip
     assert (draws[-1]["seed"], draws[-1]["heldout_items"], draws[-1]["ood_items"]) == (7, 6, 0)
+    # The reported result draws from the test half of the held-out partition only.
+    assert draws[-1]["heldout_split"] == "test"
     assert {r["items"] for r in out["results"]["heldout"].values()} == {6}
     # Training items are scored greedily only, with the per-level breakdown every split has.
     train_results = out["results"]["train"]
