@@ -5,7 +5,7 @@
 One row of causal self-attention with tiny heads (2 key/value heads, 2 query heads each,
 head dim 16) at each length: the gradient of a sum of the output with respect to q, k and v,
 jitted, with the dense kernel (materialised [T, S] scores, the baseline) and the blockwise
-kernel (``rlpt.models.attention.blockwise_attention``). Reports median seconds and the
+kernel (``rlpt.models.blockwise.blockwise_attention``). Reports median seconds and the
 compiled temporary bytes of each. The last line is one JSON object.
 """
 
@@ -25,6 +25,7 @@ from _common import timed  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from rlpt.models import attention as A  # noqa: E402
+from rlpt.models import blockwise as BW  # noqa: E402
 
 flags.DEFINE_list("lengths", ["2048", "8192"], "Sequence lengths.")
 flags.DEFINE_integer("block", 512, "Blockwise query and key block length.")
@@ -37,7 +38,7 @@ def _grad_fn(kernel: str, info, block: int):
     def attend(q, k, v):
         if kernel == "dense":
             return A.dense_attention(q, k, v, A.visible(info))
-        return A.blockwise_attention(q, k, v, info, block_q=block, block_k=block)
+        return BW.blockwise_attention(q, k, v, info, block_q=block, block_k=block)
 
     return jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v)), argnums=(0, 1, 2)))
 

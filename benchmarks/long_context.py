@@ -46,6 +46,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from rlpt.aot import compile_ppo_step  # noqa: E402
 from rlpt.models import attention as attn_lib  # noqa: E402
+from rlpt.models import blockwise as blockwise_lib  # noqa: E402
 from rlpt.models import get_preset  # noqa: E402
 from rlpt.models.vocab import token_log_probs  # noqa: E402
 
@@ -130,7 +131,7 @@ def _attention_speed(length: int) -> dict:
     def attend(kernel, q, k, v):
         if kernel == "dense":
             return attn_lib.dense_attention(q, k, v, attn_lib.visible(info))
-        return attn_lib.blockwise_attention(q, k, v, info, block_q=block, block_k=block)
+        return blockwise_lib.blockwise_attention(q, k, v, info, block_q=block, block_k=block)
 
     out = {}
     for kernel in ("dense", "blockwise"):

@@ -38,6 +38,7 @@ from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 
 from rlpt.models import attention as attn_lib
+from rlpt.models import blockwise as blockwise_lib
 from rlpt.models.attention import MaskInfo
 from rlpt.models.config import ModelConfig
 from rlpt.models.matmul import projection
@@ -354,7 +355,7 @@ class Attention(nnx.Module):
             out = attn_lib.dense_attention(q, k, v, allowed)
         elif kernel == "blockwise":
             block = cfg.attention_block
-            out = attn_lib.blockwise_attention(q, k, v, mask, block_q=block, block_k=block)
+            out = blockwise_lib.blockwise_attention(q, k, v, mask, block_q=block, block_k=block)
         elif kernel == "splash":
             out = attn_lib.splash(q, k, v, mask, block=cfg.attention_block)
         else:

@@ -10,6 +10,7 @@ from flax import nnx
 
 from rlpt.models import CausalLM, KVCache, abstract_model, create_model, get_preset
 from rlpt.models import attention as A
+from rlpt.models import blockwise as BW
 
 TINY = get_preset("tiny")
 B, K, G, H = 2, 2, 2, 8
@@ -86,7 +87,7 @@ def _run(kernel, q, k, v, info):
         return A.dense_attention(q, k, v, A.visible(info))
     if kernel == "dot_product":
         return A.dot_product(q, k, v, A.visible(info))
-    return A.blockwise_attention(q, k, v, info, block_q=8, block_k=8)
+    return BW.blockwise_attention(q, k, v, info, block_q=8, block_k=8)
 
 
 @pytest.mark.parametrize("kernel", ["dense", "blockwise", "dot_product"])
@@ -115,7 +116,7 @@ def test_blockwise_gradients_match_dense(case):
         return A.dense_attention(q, k, v, A.visible(info))
 
     def blockwise(q, k, v):
-        return A.blockwise_attention(q, k, v, info, block_q=8, block_k=4)
+        return BW.blockwise_attention(q, k, v, info, block_q=8, block_k=4)
 
     g_dense = jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2))(q, k, v)
     g_block = jax.jit(jax.grad(lambda *a: loss(blockwise, *a), argnums=(0, 1, 2)))(q, k, v)
@@ -133,11 +134,11 @@ def test_key_shards_combine_to_the_whole():
     @jax.jit
     def forward(q, k, v, info):
         parts = [
-            A.blockwise_partial(q, k[:, lo:hi], v[:, lo:hi], info.slice_k(lo, hi - lo),
+            BW.blockwise_partial(q, k[:, lo:hi], v[:, lo:hi], info.slice_k(lo, hi - lo),
                                 block_q=8, block_k=8)
             for lo, hi in shards
         ]  # fmt: skip
-        return A.combine_partials(parts)
+        return BW.combine_partials(parts)
 
     out, lse = forward(q, k, v, info)
     np.testing.assert_allclose(np.asarray(out)[seen], ref[seen], atol=2e-5, rtol=2e-5)
@@ -150,7 +151,7 @@ def test_key_shards_combine_to_the_whole():
     @jax.jit
     def shard_grads(q, k, v, info, out, lse, d_out):
         return [
-            A.blockwise_partial_grads(q, k[:, lo:hi], v[:, lo:hi], info.slice_k(lo, hi - lo),
+            BW.blockwise_partial_grads(q, k[:, lo:hi], v[:, lo:hi], info.slice_k(lo, hi - lo),
                                       out, lse, d_out, block_q=8, block_k=8)
             for lo, hi in shards
         ]  # fmt: skip
@@ -235,7 +236,7 @@ def test_bfloat16_kernels_match_float64_within_rounding_bounds(kernel, per_head)
     def attend(q, k, v):
         if kernel == "dense":
             return A.dense_attention(q, k, v, allowed)
-        return A.blockwise_attention(q, k, v, info, block_q=8, block_k=4)
+        return BW.blockwise_attention(q, k, v, info, block_q=8, block_k=4)
 
     out, vjp = jax.vjp(jax.jit(attend), q, k, v)
     dq, dk, dv = vjp(jnp.asarray(d_out))
@@ -273,8 +274,8 @@ def test_float32_canonical_products_equal_the_einsums():
     pairs = [
         (lambda q, k, v: A._dense_canonical(q, k, v, allowed),
          lambda q, k, v: A.dense_attention(q, k, v, allowed)),
-        (lambda q, k, v: A._blockwise(q, k, v, info, 8, 4, True),
-         lambda q, k, v: A._blockwise(q, k, v, info, 8, 4, False)),
+        (lambda q, k, v: BW._blockwise(q, k, v, info, 8, 4, True),
+         lambda q, k, v: BW._blockwise(q, k, v, info, 8, 4, False)),
     ]  # fmt: skip
     for canonical, einsum in pairs:
         got, want = value_and_grads(canonical), value_and_grads(einsum)
@@ -309,7 +310,7 @@ def test_bfloat16_gradient_dots_take_bfloat16_operands_on_cpu(kernel, n_dots):
     def attend(q, k, v):
         if kernel == "dense":
             return A.dense_attention(q, k, v, A.visible(info))
-        return A.blockwise_attention(q, k, v, info, block_q=16, block_k=16)
+        return BW.blockwise_attention(q, k, v, info, block_q=16, block_k=16)
 
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a) ** 2), argnums=(0, 1, 2)))
     dots = _dot_operand_dtypes(grad.lower(q, k, v).compile().as_text())
@@ -459,7 +460,7 @@ def test_blockwise_gradient_memory_is_linear_in_length():
         return grad.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
 
     dense = temp_bytes(lambda q, k, v: A.dense_attention(q, k, v, A.visible(info)))
-    block = temp_bytes(lambda q, k, v: A.blockwise_attention(q, k, v, info, block_q=128,
+    block = temp_bytes(lambda q, k, v: BW.blockwise_attention(q, k, v, info, block_q=128,
                                                              block_k=128))  # fmt: skip
     # Even a boolean [T, S] mask is t * t bytes; the float32 scores four times that.
     assert dense >= 4 * t * t
