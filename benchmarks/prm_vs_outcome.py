@@ -1,32 +1,49 @@
-"""PPO on stepwise_math: outcome-only rewards against outcome plus dense process rewards.
+"""PPO with outcome-only rewards against outcome plus dense process rewards, over seeds.
 
-Both runs start from the same policy, warm-started by a short supervised phase
-on demonstrations, and use the same seeds, prompts and PPO budget. The process
-run first spends samples on Math-Shepherd step labels (the solutions it samples
-and every continuation) and those count against its budget; its PRM starts from
-the warm-started policy's trunk. Both runs use GRPO; the process run credits
-each token with the group-normalised rewards of its own and later steps
-(``ppo.step_advantages``), so the PRM's step scores reach the steps they judge; the
-PRM adds each step's log-likelihood under the policy to its score
-(``ProcessRewardModel(likelihood=True)``).
+Every run of a seed starts from the same policy, warm-started by a short supervised phase
+on demonstrations, and uses the same prompts and PPO budget. Process rewards come in two
+kinds (``--process``):
 
-Held-out accuracy is the policy's: the mean verdict of ``EVAL_SAMPLES`` samples per
-held-out problem at temperature 1, the distribution PPO trains; greedy accuracy is
-logged beside it (PPO sharpens the sampled distribution, and the greedy answer, its
-mode, moves far less at this budget). The target is fixed beforehand as the
-warm-started policy's held-out accuracy plus ``TARGET_GAIN``;
-``samples_ratio_prm_vs_outcome`` is the samples the process run needed to reach it
-over those the outcome run needed (null if either run never reached it: the curves
-then say what happened).
+- ``math_shepherd``: a PRM trained on Math-Shepherd step labels of the warm start's own
+  samples (the solutions it samples and every continuation; those samples count against
+  the process run's budget), starting from the warm start's trunk and adding each step's
+  log-likelihood under the policy to its score (``ProcessRewardModel(likelihood=True)``);
+- ``implicit``: PRIME's implicit PRM (``rlpt.rewards.implicit``), a copy of the warm
+  start updated online, one step per PPO step, on that step's own rollouts labelled by
+  the verifier's outcome: it costs no samples beyond the rollouts.
 
-Run: ``python benchmarks/prm_vs_outcome.py`` (about 20 minutes on a 2-core CPU). The last
-line of standard output is one JSON object; logs go to standard error.
+All runs use GRPO; a process run credits each token with the group-normalised rewards of
+its own and later steps (``ppo.step_advantages``), so the step scores reach the steps they
+judge.
+
+``--domain=state_tracking`` (the default) is the regime process rewards are for: a long
+horizon (8 to 10 checkable steps at level 2, each one three-digit addition modulo 1000)
+whose outcome reward is sparse at the warm start (the warm start is trained only until
+single steps mostly come out right; ``warm_start_sparse`` says whether its test accuracy
+is at most 10%). ``--domain=stepwise_math`` is the earlier two-step setting.
+
+Held-out accuracy is the policy's: the mean verdict of ``EVAL_SAMPLES`` samples per test
+problem at temperature 1, the distribution PPO trains; greedy accuracy is logged beside
+it. The target is fixed beforehand as the warm start's test accuracy plus ``TARGET_GAIN``;
+a seed's ratio is the samples its process run needed to reach it over those the outcome
+run needed (null where either never reached it: the curves then say what happened).
+``samples_ratio_prm_vs_outcome`` is the mean over seeds of the Math-Shepherd ratio
+(``_se`` its standard error), ``samples_ratio_implicit_vs_outcome`` the same for the
+implicit PRM. The warm start's SFT length was set on the validation split
+(``--probe_sft`` prints the validation accuracy of a few lengths); test items report.
+
+Run: ``python benchmarks/prm_vs_outcome.py --seeds=0,1,2`` (about 40 minutes a seed on a
+2-core CPU). The last line of standard output is one JSON object; logs go to standard
+error.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -37,6 +54,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 jax.config.update(
     "jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "rlpt-bench-cache")
@@ -54,6 +72,12 @@ from rlpt.rewards import (  # noqa: E402
     roc_auc,
     rollout_process_scores,
 )
+from rlpt.rewards.implicit import (  # noqa: E402
+    encode_implicit_examples,
+    implicit_prm_trainer,
+    reference_log_probs,
+    rollout_implicit_rewards,
+)
 from rlpt.rewards.recipes import (  # noqa: E402
     prm_step_probs,
     sample_solutions,
@@ -63,28 +87,56 @@ from rlpt.rewards.recipes import (  # noqa: E402
 )
 from rlpt.rl import PPOConfig, PPOTrainer, init_train_state, new_rollout_batch  # noqa: E402
 from rlpt.sampling import GREEDY, Sampler, SamplingParams  # noqa: E402
+from rlpt.supervised import TrainConfig  # noqa: E402
 from rlpt.tasks import get_domain  # noqa: E402
 from rlpt.tokenizers import ByteTokenizer, decode_response  # noqa: E402
 
+_DOMAIN = flags.DEFINE_enum("domain", "state_tracking", ["state_tracking", "stepwise_math"],
+                            "The stepwise domain.")  # fmt: skip
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; each trains its own warm start.")
+_PROCESS = flags.DEFINE_list("process", ["math_shepherd", "implicit"],
+                             "Process-reward kinds run against outcome-only PPO.")  # fmt: skip
+_PROBE_SFT = flags.DEFINE_list(
+    "probe_sft", [], "Instead of the comparison: the validation accuracy of warm starts of "
+    "these SFT lengths (seed 0).")  # fmt: skip
+_QUICK = flags.DEFINE_bool("quick", False, "A few steps of everything: a smoke run.")
+
 log = logging.getLogger("prm_vs_outcome")
 
-SEED = 0
-LEVEL = 2  # two instructions: two steps, the first one's correctness is what the PRM adds
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What differs between the domains: level, lengths and the warm start's SFT steps."""
+
+    level: int
+    sft_steps: int
+    max_new: int  # generation budget: the longest demonstration and a margin
+    pad: int  # training rows (prompt and solution) fit in this many tokens
+    max_seq_len: int
+
+
+SETTINGS = {
+    # Two instructions: two steps; the first one's correctness is what the PRM adds. A warm
+    # start that solves about a third, so both runs have reward signal and headroom.
+    "stepwise_math": Setting(level=2, sft_steps=300, max_new=28, pad=64, max_seq_len=96),
+    # 8 to 10 steps of at most 7 tokens, the answer and <eos>: 80 new tokens; the prompt
+    # is at most 33. The cache holds a Math-Shepherd continuation after a long prefix (a
+    # prompt bucket of 256 and 80 more); the sampler sizes its cache to what it is asked.
+    # SFT length set on validation with --probe_sft (see the module doc).
+    "state_tracking": Setting(level=2, sft_steps=150, max_new=80, pad=128, max_seq_len=384),
+}
 TARGET_GAIN = 0.10  # target = warm-start accuracy + this, fixed before any PPO step
-# A warm start that solves some level-2 problems (about a third), so both runs have
-# reward signal and headroom; it also seeds the PRM's trunk.
-SFT_STEPS = 300
-# Measured on outcome-only runs: 16 prompts x 4 samples a step (with or without a small
-# KL) left held-out accuracy flat or lower after 48 steps; 32 x 8 moves it.
+SPARSE = 0.10  # "sparse" outcome reward at the warm start: at most this test accuracy
+# Measured on outcome-only stepwise_math runs: 16 prompts x 4 samples a step (with or
+# without a small KL) left held-out accuracy flat or lower after 48 steps; 32 x 8 moves it.
 PPO_STEPS = 48
 PPO_LEARNING_RATE = 1e-4
 PPO_EPOCHS = 1
 KL_COEF = 0.0
 PROMPTS_PER_STEP = 32
 SAMPLES_PER_PROMPT = 8
-MAX_NEW = 28
 EVAL_TASKS = 128
-EVAL_SAMPLES = 4  # per held-out problem, temperature 1
+EVAL_SAMPLES = 4  # per test problem, temperature 1
 EVAL_EVERY = 4
 LABEL_SOLUTIONS = 128  # solutions sampled for Math-Shepherd labels
 LABEL_CONTINUATIONS = 4
@@ -93,15 +145,35 @@ PRM_STEPS = 300
 # small learning rate keeps the arithmetic the policy's trunk starts with.
 PRM_LEARNING_RATE = 3e-5
 PROCESS_WEIGHT = 0.5
-PAD = 64  # training rows (prompt and solution) fit in 64 tokens at this level
+# PRIME's implicit PRM: its beta, and a rate for one online step per PPO step (PRIME's
+# 1e-6 is for 7B models; this 0.8M-parameter model moves little at that rate).
+IMPLICIT_BETA = 0.05
+IMPLICIT_LEARNING_RATE = 1e-4
 
 
-def evaluate(sampler, params, tasks, domain, tok) -> tuple[float, float]:
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """Step counts; ``--quick`` shrinks every one of them."""
+
+    ppo_steps: int = PPO_STEPS
+    prompts_per_step: int = PROMPTS_PER_STEP
+    eval_tasks: int = EVAL_TASKS
+    eval_every: int = EVAL_EVERY
+    label_solutions: int = LABEL_SOLUTIONS
+    prm_steps: int = PRM_STEPS
+
+    @classmethod
+    def quick(cls) -> Budget:
+        return cls(ppo_steps=2, prompts_per_step=4, eval_tasks=8, eval_every=1,
+                   label_solutions=8, prm_steps=2)  # fmt: skip
+
+
+def evaluate(sampler, params, tasks, domain, tok, max_new) -> tuple[float, float]:
     """Held-out (sampled, greedy) accuracy; the same sampling key at every evaluation."""
 
     def accuracy(tasks, sampling) -> float:
         prompts = [tok.encode(t.prompt, add_bos=True) for t in tasks]
-        out = sampler.generate(params, prompts, jax.random.key(0), max_new_tokens=MAX_NEW,
+        out = sampler.generate(params, prompts, jax.random.key(0), max_new_tokens=max_new,
                                sampling=sampling)  # fmt: skip
         texts = [decode_response(tok, out.tokens[i][: out.lengths[i]]) for i in range(len(tasks))]
         return float(np.mean([r.correct for r in domain.verify_batch(tasks, texts)]))
@@ -110,68 +182,115 @@ def evaluate(sampler, params, tasks, domain, tok) -> tuple[float, float]:
     return sampled, accuracy(tasks, GREEDY)
 
 
-def ppo_run(name, graph, sft_params, config, domain, tok, train_tasks, eval_tasks, prm=None):
+class OnlineImplicitPRM:
+    """PRIME's implicit PRM, updated on each PPO step's own rollouts and outcome labels.
+
+    ``pi_phi`` starts as a copy of the warm start and the reference is the warm start
+    itself (frozen, never donated: the PPO state holds its own copy of the policy).
+    """
+
+    def __init__(self, graph, warm_start, tok, pad: int):
+        self.graph, self.ref, self.tok, self.pad = graph, warm_start, tok, pad
+        self.trainer = implicit_prm_trainer(
+            TrainConfig(learning_rate=IMPLICIT_LEARNING_RATE), graph, beta=IMPLICIT_BETA
+        )
+        self.state = self.trainer.init(jax.tree.map(jnp.copy, warm_start))
+
+    def scores(self, batch):
+        """Step rewards [B, T] and where they sit, from the current ``pi_phi``."""
+        return _implicit_scores(self.graph, self.state.params, self.ref, batch,
+                                self.tok.step_id, self.tok.answer_id)  # fmt: skip
+
+    def update(self, prompts, responses, correct) -> dict[str, float]:
+        """One step of cross-entropy on the rollouts' outcome labels."""
+        examples = [(p, r, float(c)) for p, r, c in zip(prompts, responses, correct)
+                    if r and len(p) + len(r) <= self.pad]  # fmt: skip
+        data = encode_implicit_examples(examples, pad_id=self.tok.pad_id, pad_to=self.pad)
+        data["ref_logp"] = reference_log_probs(self.graph, self.ref, data["tokens"], data["mask"],
+                                               chunk=len(examples))  # fmt: skip
+        self.state, metrics = self.trainer.step(self.state, data)
+        return {k: round(float(v), 4) for k, v in jax.device_get(metrics).items()}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _implicit_scores(graph, params, ref, batch, step_id, answer_id):
+    return rollout_implicit_rewards(graph, params, ref, batch, beta=IMPLICIT_BETA,
+                                    step_id=step_id, answer_id=answer_id)  # fmt: skip
+
+
+def ppo_run(name, graph, sft_params, config, domain, tok, setting, budget, train_tasks,
+            eval_tasks, seed, process=None):  # fmt: skip
     """PPO from the warm start; returns the accuracy curve as (samples, sampled accuracy,
-    greedy accuracy) points."""
-    # GRPO in both runs; the process run credits tokens step by step (GRPO's process
-    # supervision), so its step rewards reach the steps they judge. Adam's first updates
-    # move every weight by about the learning rate, which a sharp warm-started policy
-    # feels as a large KL: a warmup keeps it near the reference.
+    greedy accuracy) points. ``process``: None, ``("math_shepherd", (graph, params))`` or
+    ``("implicit", OnlineImplicitPRM)``."""
+    # Adam's first updates move every weight by about the learning rate, which a sharp
+    # warm-started policy feels as a large KL: a warmup keeps it near the reference.
     cfg = PPOConfig(
-        estimator="grpo", step_advantages=prm is not None, kl_placement="loss",
+        estimator="grpo", step_advantages=process is not None, kl_placement="loss",
         epochs=PPO_EPOCHS, num_minibatches=2, learning_rate=PPO_LEARNING_RATE,
-        schedule="warmup_cosine", warmup_steps=10, total_steps=PPO_STEPS * 2 * PPO_EPOCHS,
-        end_lr_fraction=0.3, kl_coef=KL_COEF,
-        num_groups=PROMPTS_PER_STEP, whiten_advantages=False,
+        schedule="warmup_cosine", warmup_steps=min(10, budget.ppo_steps),
+        total_steps=budget.ppo_steps * 2 * PPO_EPOCHS, end_lr_fraction=0.3, kl_coef=KL_COEF,
+        num_groups=budget.prompts_per_step, whiten_advantages=False,
     )  # fmt: skip
     trainer = PPOTrainer(cfg, graph)
     # The update donates its state: the policy gets its own copy, the reference keeps the original.
     policy = jax.tree.map(jnp.copy, sft_params)
-    state = init_train_state(cfg, policy, None, jax.random.key(SEED))
+    state = init_train_state(cfg, policy, None, jax.random.key(seed))
     ref = sft_params
     sampler = Sampler(graph, config, eos_id=tok.eos_id, pad_id=tok.pad_id)
-    rcfg = RewardConfig(outcome=1.0, process=PROCESS_WEIGHT if prm else 0.0, clip=3.0)
+    rcfg = RewardConfig(outcome=1.0, process=PROCESS_WEIGHT if process else 0.0, clip=3.0)
     norm = init_norm_state()
+    kind = None if process is None else process[0]
 
     @jax.jit
-    def rewards_fn(norm, batch, outcome, prm_params):
-        kwargs = {}
-        if prm is not None:
-            probs, steps = rollout_process_scores(
-                prm[0], prm_params, batch, step_id=tok.step_id, answer_id=tok.answer_id
-            )
-            kwargs = {"process": probs, "step_mask": steps}
+    def rewards_fn(norm, batch, outcome, scores):
+        kwargs = {} if scores is None else {"process": scores[0], "step_mask": scores[1]}
         return assemble_rewards(rcfg, norm, batch.response_mask, outcome=outcome, **kwargs)
 
-    curve = [(0, *evaluate(sampler, state.policy, eval_tasks, domain, tok))]
+    @jax.jit
+    def shepherd_scores(prm_params, batch):
+        return rollout_process_scores(process[1][0], prm_params, batch, step_id=tok.step_id,
+                                      answer_id=tok.answer_id)  # fmt: skip
+
+    max_new = setting.max_new
+    curve = [(0, *evaluate(sampler, state.policy, eval_tasks, domain, tok, max_new))]
     samples = 0
-    for step in range(PPO_STEPS):
+    for step in range(budget.ppo_steps):
         start = time.time()
-        picked = [train_tasks[(step * PROMPTS_PER_STEP + i) % len(train_tasks)]
-                  for i in range(PROMPTS_PER_STEP)]  # fmt: skip
+        n = budget.prompts_per_step
+        picked = [train_tasks[(step * n + i) % len(train_tasks)] for i in range(n)]
         tasks = [t for t in picked for _ in range(SAMPLES_PER_PROMPT)]
         prompts = [tok.encode(t.prompt, add_bos=True) for t in tasks]
-        out = sampler.generate(state.policy, prompts, jax.random.key(1000 + step),
-                               max_new_tokens=MAX_NEW, sampling=SamplingParams())  # fmt: skip
+        out = sampler.generate(state.policy, prompts, jax.random.key(1000 * (seed + 1) + step),
+                               max_new_tokens=max_new, sampling=SamplingParams())  # fmt: skip
         samples += len(prompts)
-        texts = [decode_response(tok, out.tokens[i][: out.lengths[i]]) for i in range(len(tasks))]
-        outcome = np.asarray([r.reward for r in domain.verify_batch(tasks, texts)], np.float32)
-        p_tok, p_mask = sampler.prepare(prompts, MAX_NEW)
+        responses = [list(out.tokens[i][: out.lengths[i]]) for i in range(len(tasks))]
+        texts = [decode_response(tok, r) for r in responses]
+        verdicts = domain.verify_batch(tasks, texts)
+        outcome = np.asarray([r.reward for r in verdicts], np.float32)
+        p_tok, p_mask = sampler.prepare(prompts, max_new)
         batch = new_rollout_batch(
             p_tok, p_mask, out.tokens, out.mask,
             group_id=np.arange(len(tasks)) // SAMPLES_PER_PROMPT,
             truncated=out.truncated, step_token_id=tok.step_id,
         )  # fmt: skip
-        rewards, norm, rmetrics = rewards_fn(norm, batch, jnp.asarray(outcome),
-                                             None if prm is None else prm[1])  # fmt: skip
+        scores, extra = None, {}
+        if kind == "math_shepherd":
+            scores = shepherd_scores(process[1][1], batch)
+        elif kind == "implicit":
+            scores = process[1].scores(batch)
+        rewards, norm, rmetrics = rewards_fn(norm, batch, jnp.asarray(outcome), scores)
         batch = batch.replace(rewards=rewards)
         batch = trainer.advantages(state, trainer.score(state, ref, batch))
         state, metrics = trainer.update(state, batch)
-        if (step + 1) % EVAL_EVERY == 0:
-            curve.append((samples, *evaluate(sampler, state.policy, eval_tasks, domain, tok)))
-        log.info("%s step %d: train acc %.3f %s kl %.4f (%.1fs) curve %s", name, step,
+        if kind == "implicit":  # after its scores were used: PRIME's order
+            extra = process[1].update(prompts, responses, [r.correct for r in verdicts])
+        if (step + 1) % budget.eval_every == 0:
+            curve.append((samples, *evaluate(sampler, state.policy, eval_tasks, domain, tok,
+                                             max_new)))  # fmt: skip
+        log.info("%s step %d: train acc %.3f %s kl %.4f %s (%.1fs) curve %s", name, step,
                  outcome.mean(), {k: round(float(v), 3) for k, v in rmetrics.items()},
-                 float(metrics["kl"]), time.time() - start, curve[-1])  # fmt: skip
+                 float(metrics["kl"]), extra, time.time() - start, curve[-1])  # fmt: skip
     return curve
 
 
@@ -182,46 +301,39 @@ def samples_to_reach(curve, target, offset=0):
     return None
 
 
-def main() -> dict:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    t0 = time.time()
-    tok = ByteTokenizer()
-    domain = get_domain("stepwise_math")
-    config = small_config(max_seq_len=96)
-    sft_tasks = domain.tasks("train", 3000, LEVEL, seed=SEED + 1)
-    train_tasks = domain.tasks("train", PPO_STEPS * PROMPTS_PER_STEP, LEVEL, seed=SEED + 2)
-    eval_tasks = domain.tasks("heldout", EVAL_TASKS, LEVEL, seed=SEED)
-
-    graph, sft_params, sft_metrics = train_sft(
-        config, domain, sft_tasks, tok, steps=SFT_STEPS, batch_size=64, learning_rate=2e-3,
-        seed=SEED, pad_to=PAD,
+def warm_start(domain, tok, setting, seed, steps):
+    """``(config, graph, params)``: SFT on 3,000 training demonstrations."""
+    config = small_config(max_seq_len=setting.max_seq_len)
+    sft_tasks = domain.tasks("train", 3000, setting.level, seed=seed + 1)
+    graph, params, metrics = train_sft(
+        config, domain, sft_tasks, tok, steps=steps, batch_size=64, learning_rate=2e-3,
+        seed=seed, pad_to=setting.pad,
     )  # fmt: skip
-    log.info("sft done in %.0fs: %s", time.time() - t0, sft_metrics)
-    sampler = Sampler(graph, config, eos_id=tok.eos_id, pad_id=tok.pad_id)
-    sft_acc, sft_greedy = evaluate(sampler, sft_params, eval_tasks, domain, tok)
-    target = sft_acc + TARGET_GAIN
-    log.info("warm start held-out accuracy %.3f (greedy %.3f), target %.3f", sft_acc, sft_greedy,
-             target)  # fmt: skip
+    log.info("sft (%d steps): %s", steps, metrics)
+    return config, graph, params
 
-    # Process reward model from Math-Shepherd labels of the warm-started policy's own samples.
-    t1 = time.time()
-    label_tasks = domain.tasks("train", LABEL_SOLUTIONS, LEVEL, seed=SEED + 3)
+
+def math_shepherd_prm(domain, tok, setting, budget, seed, config, sampler, sft_params):
+    """``(graph, params)``, the label samples it spent and its planted-error AUC."""
+    level, pad, max_new = setting.level, setting.pad, setting.max_new
+    label_tasks = domain.tasks("train", budget.label_solutions, level, seed=seed + 3)
     solutions = [s[0] for s in sample_solutions(
-        sampler, sft_params, label_tasks, tok, jax.random.key(7), n=1, max_new_tokens=MAX_NEW
+        sampler, sft_params, label_tasks, tok, jax.random.key(7 + seed), n=1,
+        max_new_tokens=max_new,
     )]  # fmt: skip
     labels = math_shepherd_labels(
-        sampler, sft_params, domain, label_tasks, solutions, tok, jax.random.key(8),
-        n_continuations=LABEL_CONTINUATIONS, max_new_tokens=MAX_NEW, chunk_rows=256,
+        sampler, sft_params, domain, label_tasks, solutions, tok, jax.random.key(8 + seed),
+        n_continuations=LABEL_CONTINUATIONS, max_new_tokens=max_new, chunk_rows=256,
     )  # fmt: skip
     label_samples = len(solutions) + labels.samples
     # Planted wrong steps in demonstrations, labelled the same way (their continuations count
     # as spent samples too), so wrong steps are well represented in the PRM's training data.
-    planted_tasks = label_tasks[: LABEL_SOLUTIONS // 2]
-    planted, _ = planted_error_solutions(domain, planted_tasks, seed=SEED + 4)
+    planted_tasks = label_tasks[: budget.label_solutions // 2]
+    planted, _ = planted_error_solutions(domain, planted_tasks, seed=seed + 4)
     planted_tasks = [t for t in planted_tasks for _ in (0, 1)]
     planted_labels = math_shepherd_labels(
-        sampler, sft_params, domain, planted_tasks, planted, tok, jax.random.key(9),
-        n_continuations=LABEL_CONTINUATIONS, max_new_tokens=MAX_NEW, chunk_rows=256,
+        sampler, sft_params, domain, planted_tasks, planted, tok, jax.random.key(9 + seed),
+        n_continuations=LABEL_CONTINUATIONS, max_new_tokens=max_new, chunk_rows=256,
     )  # fmt: skip
     label_samples += planted_labels.samples
     all_tasks = list(label_tasks) + planted_tasks
@@ -229,51 +341,140 @@ def main() -> dict:
     all_labels = labels.hard + planted_labels.hard
     keep = [
         i for i, lab in enumerate(all_labels)
-        if lab and len(encode_sequence(tok, all_tasks[i].prompt, all_texts[i])) <= PAD
+        if lab and len(encode_sequence(tok, all_tasks[i].prompt, all_texts[i])) <= pad
     ]  # fmt: skip
     examples = encode_step_examples(
         tok, [all_tasks[i].prompt for i in keep], [all_texts[i] for i in keep],
-        [all_labels[i] for i in keep], max_len=PAD, pad_to=PAD,
+        [all_labels[i] for i in keep], max_len=pad, pad_to=pad,
     )  # fmt: skip
     prm_graph, prm_params, prm_metrics = train_prm(
-        config, examples, tok, steps=PRM_STEPS, batch_size=32, seed=SEED, policy=sft_params,
-        likelihood=True, learning_rate=PRM_LEARNING_RATE,
+        config, examples, tok, steps=budget.prm_steps, batch_size=32, seed=seed,
+        policy=sft_params, likelihood=True, learning_rate=PRM_LEARNING_RATE,
     )  # fmt: skip
-    held = domain.tasks("heldout", 64, LEVEL, seed=SEED + 5)
-    texts, step_labels = planted_error_solutions(domain, held, seed=SEED)
+    held = domain.tasks("validation", 64, level, seed=seed + 5)
+    texts, step_labels = planted_error_solutions(domain, held, seed=seed)
     ev = encode_step_examples(tok, [t.prompt for t in held for _ in (0, 1)], texts, step_labels,
-                              max_len=PAD, pad_to=PAD)  # fmt: skip
+                              max_len=pad, pad_to=pad)  # fmt: skip
     probs = prm_step_probs(prm_graph, prm_params, ev)
     on = ev["label_mask"] > 0
-    prm_auc = roc_auc(probs[on], ev["labels"][on])
-    log.info("prm: %d label samples, train %s, planted-error AUC %.3f (%.0fs)", label_samples,
-             prm_metrics, prm_auc, time.time() - t1)  # fmt: skip
+    auc = roc_auc(probs[on], ev["labels"][on])
+    log.info("prm: %d label samples, train %s, planted-error AUC %.3f", label_samples,
+             prm_metrics, auc)  # fmt: skip
+    return (prm_graph, prm_params), label_samples, auc
 
-    outcome_curve = ppo_run("outcome", graph, sft_params, config, domain, tok, train_tasks,
-                            eval_tasks)  # fmt: skip
-    process_curve = ppo_run("process", graph, sft_params, config, domain, tok, train_tasks,
-                            eval_tasks, prm=(prm_graph, prm_params))  # fmt: skip
+
+def run_seed(domain, tok, setting, budget, seed, kinds) -> dict:
+    """Every arm of one seed from its own warm start."""
+    t0 = time.time()
+    config, graph, sft_params = warm_start(domain, tok, setting, seed, setting.sft_steps)
+    train_tasks = domain.tasks("train", budget.ppo_steps * budget.prompts_per_step,
+                               setting.level, seed=seed + 2)  # fmt: skip
+    eval_tasks = domain.tasks("test", budget.eval_tasks, setting.level, seed=seed)
+    sampler = Sampler(graph, config, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    sft_acc, sft_greedy = evaluate(sampler, sft_params, eval_tasks, domain, tok, setting.max_new)
+    target = sft_acc + TARGET_GAIN
+    log.info("seed %d: warm start test accuracy %.3f (greedy %.3f), target %.3f", seed, sft_acc,
+             sft_greedy, target)  # fmt: skip
+    common = (graph, sft_params, config, domain, tok, setting, budget, train_tasks, eval_tasks,
+              seed)  # fmt: skip
+    outcome_curve = ppo_run("outcome", *common)
     n_out = samples_to_reach(outcome_curve, target)
-    n_prm = samples_to_reach(process_curve, target, offset=label_samples)
-    ratio = None if n_out is None or n_prm is None else n_prm / max(n_out, 1)
     result = {
-        "samples_ratio_prm_vs_outcome": ratio,
-        "target_accuracy": target,
-        "warm_start_accuracy": sft_acc,
-        "warm_start_greedy_accuracy": sft_greedy,
-        "curves_are": "[samples, held-out sampled accuracy, held-out greedy accuracy]",
-        "samples_to_target_outcome": n_out,
-        "samples_to_target_prm": n_prm,
-        "prm_label_samples": label_samples,
+        "seed": seed, "warm_start_accuracy": sft_acc, "warm_start_greedy_accuracy": sft_greedy,
+        "target_accuracy": target, "samples_to_target_outcome": n_out,
         "outcome_curve": outcome_curve,
-        "prm_curve": [(s + label_samples, a, g) for s, a, g in process_curve],
-        "prm_planted_error_auc": prm_auc,
-        "seed": SEED,
-        "time/total_s": time.time() - t0,
-    }
+    }  # fmt: skip
+    for kind in kinds:
+        if kind == "math_shepherd":
+            prm, offset, auc = math_shepherd_prm(domain, tok, setting, budget, seed, config,
+                                                 sampler, sft_params)  # fmt: skip
+            result.update(prm_label_samples=offset, prm_planted_error_auc=auc)
+            curve = ppo_run(kind, *common, process=(kind, prm))
+            key = "prm"
+        else:
+            online = OnlineImplicitPRM(graph, sft_params, tok, setting.pad)
+            curve, offset = ppo_run(kind, *common, process=(kind, online)), 0
+            key = "implicit"
+        n = samples_to_reach(curve, target, offset=offset)
+        result[f"samples_to_target_{key}"] = n
+        result[f"{key}_curve"] = [(s + offset, a, g) for s, a, g in curve]
+        result[f"samples_ratio_{key}_vs_outcome"] = (
+            None if n is None or n_out is None else n / max(n_out, 1)
+        )
+    result["time_s"] = time.time() - t0
+    return result
+
+
+def mean_se(values) -> tuple[float | None, float | None, int]:
+    """Mean, standard error and count of the values that are not None."""
+    x = np.asarray([v for v in values if v is not None], np.float64)
+    if not x.size:
+        return None, None, 0
+    se = float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else None
+    return float(x.mean()), se, int(x.size)
+
+
+def summarise(per_seed: list[dict], kinds) -> dict:
+    """The JSON line: mean ratios over seeds (null unless every seed reached the target)."""
+    out: dict = {"seeds": [r["seed"] for r in per_seed]}
+    for kind in kinds:
+        key = "prm" if kind == "math_shepherd" else "implicit"
+        ratios = [r[f"samples_ratio_{key}_vs_outcome"] for r in per_seed]
+        mean, se, n = mean_se(ratios)
+        complete = n == len(per_seed)
+        out[f"samples_ratio_{key}_vs_outcome"] = mean if complete else None
+        out[f"samples_ratio_{key}_vs_outcome_se"] = se if complete else None
+        out[f"seeds_reaching_target_{key}"] = sum(
+            r[f"samples_to_target_{key}"] is not None for r in per_seed
+        )
+    out["seeds_reaching_target_outcome"] = sum(
+        r["samples_to_target_outcome"] is not None for r in per_seed
+    )
+    warm = [r["warm_start_accuracy"] for r in per_seed]
+    out["warm_start_accuracy_mean"] = float(np.mean(warm))
+    out["warm_start_sparse"] = bool(max(warm) <= SPARSE)
+    out["curves_are"] = "[samples, test sampled accuracy, test greedy accuracy]"
+    out["per_seed"] = per_seed
+    return out
+
+
+def probe(domain, tok, setting, lengths) -> dict:
+    """Validation accuracy (sampled, greedy) of warm starts of several SFT lengths."""
+    tasks = domain.tasks("validation", EVAL_TASKS, setting.level, seed=0)
+    found = {}
+    for steps in lengths:
+        config, graph, params = warm_start(domain, tok, setting, 0, steps)
+        sampler = Sampler(graph, config, eos_id=tok.eos_id, pad_id=tok.pad_id)
+        found[steps] = evaluate(sampler, params, tasks, domain, tok, setting.max_new)
+        log.info("probe: %d SFT steps -> validation (sampled, greedy) %s", steps, found[steps])
+    return {"validation_accuracy_by_sft_steps": found}
+
+
+def main(argv) -> dict:
+    del argv
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    t0 = time.time()
+    tok = ByteTokenizer()
+    domain = get_domain(_DOMAIN.value)
+    setting = SETTINGS[_DOMAIN.value]
+    if _PROBE_SFT.value:
+        result = probe(domain, tok, setting, [int(v) for v in _PROBE_SFT.value])
+    else:
+        kinds = list(_PROCESS.value)
+        unknown = set(kinds) - {"math_shepherd", "implicit"}
+        if unknown:
+            raise ValueError(f"--process: unknown kinds {sorted(unknown)}")
+        if _QUICK.value:
+            budget, setting = Budget.quick(), dataclasses.replace(setting, sft_steps=2)
+        else:
+            budget = Budget()
+        per_seed = [run_seed(domain, tok, setting, budget, int(s), kinds)
+                    for s in _SEEDS.value]  # fmt: skip
+        result = {"domain": _DOMAIN.value, "level": setting.level, **summarise(per_seed, kinds)}
+    result["time/total_s"] = time.time() - t0
     print(json.dumps(result))
     return result
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

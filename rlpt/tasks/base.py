@@ -111,6 +111,14 @@ def split_steps(completion: str) -> list[str]:
     return [s.strip() for s in body.split(STEP)]
 
 
+def randint_inclusive(rng: Any, lo: int, hi: int) -> int:
+    """An integer in ``[lo, hi]`` from a ``random.Random`` or a ``numpy.random.Generator``
+    (step corruption takes either)."""
+    if hasattr(rng, "integers"):
+        return int(rng.integers(lo, hi + 1))
+    return rng.randint(lo, hi)
+
+
 def stable_hash(*parts: object) -> int:
     """A 64-bit hash of ``parts`` that, unlike ``hash``, is the same in every process."""
     text = "\x1f".join(str(p) for p in parts)

@@ -32,6 +32,7 @@ from rlpt.tasks.base import (
     Task,
     VerifyResult,
     extract_answer,
+    randint_inclusive,
     split_steps,
 )
 from rlpt.tasks.rewards import answers_match, parse_number
@@ -103,6 +104,30 @@ class StateTrackingDomain(AnswerDomain):
             parse_step(step) == (i, values[i]) if i < len(values) else False
             for i, step in enumerate(split_steps(completion), start=1)
         ]
+
+    def corrupt_step(self, task: Task, completion: str, rng: Any) -> str:
+        """``completion`` with one step's state made wrong and the error carried on.
+
+        A step that parses, among the first ``steps``, is picked at random; its state is
+        shifted by a nonzero amount modulo 1000, and the later steps (up to the iteration
+        count) and the answer are recomputed from the wrong state, as a model that slipped
+        once would write them: every later state is off by the same shift. ``rng`` is a
+        ``random.Random`` or ``numpy.random.Generator``.
+        """
+        n, add = int(task.data["steps"]), int(task.data["add"])
+        steps = split_steps(completion)
+        parsed = [parse_step(s) for s in steps[:n]]
+        candidates = [i for i, p in enumerate(parsed) if p is not None]
+        if not candidates:
+            raise ValueError(f"no step of {completion!r} can be corrupted")
+        i = candidates[randint_inclusive(rng, 0, len(candidates) - 1)]
+        count, value = parsed[i]
+        value = (value + randint_inclusive(rng, 1, MODULUS - 1)) % MODULUS
+        new_steps = steps[:i] + [f"{count}:{value}"]
+        for later in range(count + 1, n + 1):
+            value = (value + add) % MODULUS
+            new_steps.append(f"{later}:{value}")
+        return STEP.join(new_steps) + ANSWER + str(value)
 
     def verify_one(self, task: Task, completion: str) -> VerifyResult:
         got = extract_answer(completion)

@@ -25,6 +25,7 @@ from rlpt.tasks.base import (
     Task,
     VerifyResult,
     extract_answer,
+    randint_inclusive,
     split_steps,
 )
 from rlpt.tasks.rewards import answers_match, parse_number
@@ -76,13 +77,6 @@ def parse_step(step: str) -> tuple[int, str, int, int] | None:
     if m is None:
         return None
     return int(m[1]), m[2], int(m[3]), int(m[4])
-
-
-def _randint(rng: Any, lo: int, hi: int) -> int:
-    """Inclusive; accepts ``random.Random`` or ``numpy.random.Generator``."""
-    if hasattr(rng, "integers"):
-        return int(rng.integers(lo, hi + 1))
-    return rng.randint(lo, hi)
 
 
 class StepwiseMathDomain(AnswerDomain):
@@ -166,11 +160,11 @@ class StepwiseMathDomain(AnswerDomain):
         candidates = [i for i, p in enumerate(parsed[: len(instructions)]) if p is not None]
         if not candidates:
             raise ValueError(f"no step of {completion!r} can be corrupted")
-        i = candidates[_randint(rng, 0, len(candidates) - 1)]
+        i = candidates[randint_inclusive(rng, 0, len(candidates) - 1)]
         a, op, b, c = parsed[i]
         later_divisors = [d for o, d in instructions[i + 1 :] if o == "/"]
         stride = math.prod(later_divisors)
-        shift = _randint(rng, 1, 3) * (1 if _randint(rng, 0, 1) else -1) * stride
+        shift = randint_inclusive(rng, 1, 3) * (1 if randint_inclusive(rng, 0, 1) else -1) * stride
         value = c + shift
         new_steps = steps[:i] + [f"{a}{op}{b}={value}"]
         for op, b in instructions[i + 1 :]:

@@ -1,5 +1,8 @@
 """State tracking: hand-worked iterations, step labels, level lengths, the split."""
 
+import random
+
+import numpy as np
 import pytest
 
 from rlpt.tasks import StateTrackingDomain, Task, get_domain, partition_of
@@ -38,6 +41,34 @@ def test_demonstration_hand_worked():
 )
 def test_check_steps(completion, labels):
     assert DOMAIN.check_steps(TASK, completion) == labels
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_corrupt_step_plants_one_error_and_carries_it(seed):
+    rng = random.Random(seed)
+    task = DOMAIN.tasks("train", 1, 2, seed=seed)[0]
+    good = DOMAIN.demonstration(task)
+    bad = DOMAIN.corrupt_step(task, good, rng)
+    labels = DOMAIN.check_steps(task, bad)
+    n = task.data["steps"]
+    assert len(labels) == n
+    first_wrong = labels.index(False)
+    # Right up to the planted step, wrong from it on (a constant shift mod 1000 never
+    # lands on the true state again), and the answer is the last written state.
+    assert labels == [True] * first_wrong + [False] * (n - first_wrong)
+    states = [parse_step(s)[1] for s in bad.split("<answer>")[0].split("<step>")]
+    truth = iterate(task.data["start"], task.data["add"], n)[1:]
+    shifts = {(b - t) % 1000 for b, t in zip(states[first_wrong:], truth[first_wrong:])}
+    assert len(shifts) == 1 and 0 not in shifts
+    assert bad.split("<answer>")[1] == str(states[-1])
+    assert not DOMAIN.verify(task, bad).correct
+
+
+def test_corrupt_step_numpy_rng_and_no_parsable_step():
+    bad = DOMAIN.corrupt_step(TASK, DOMAIN.demonstration(TASK), np.random.default_rng(0))
+    assert DOMAIN.check_steps(TASK, bad).count(False) >= 1
+    with pytest.raises(ValueError, match="can be corrupted"):
+        DOMAIN.corrupt_step(TASK, "no steps<answer>1", random.Random(0))
 
 
 def test_parse_step():
