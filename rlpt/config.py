@@ -471,9 +471,18 @@ class ProcessRewardSection:
     likelihood: bool = True  # add each step's log-likelihood under the policy to its score
     beta: float = 0.05  # implicit: r = beta * log(pi_phi / pi_ref) (PRIME's value)
     samples: int = 4  # implicit: completions per prompt, labelled by the verifier
+    # implicit: PRIME's online update, one step of pi_phi on every PPO rollout batch (its
+    # outcome labels), after the batch is scored; 0 keeps pi_phi fixed after the stage.
+    online_learning_rate: float = 0.0
 
     def __post_init__(self):
         _choice("process_reward.kind", self.kind, ("math_shepherd", "implicit"))
+        _at_least("process_reward.online_learning_rate", self.online_learning_rate, 0.0)
+        if self.online_learning_rate and self.kind != "implicit":
+            raise ConfigError(
+                "process_reward.online_learning_rate > 0 updates the implicit PRM online; it "
+                f"needs process_reward.kind='implicit', got {self.kind!r}"
+            )
         _choice("process_reward.label", self.label, ("soft", "hard"))
         for name in ("label_tasks", "continuations", "heldout_tasks", "steps", "batch_size"):
             _at_least(f"process_reward.{name}", getattr(self, name), 1)

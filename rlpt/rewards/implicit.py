@@ -305,6 +305,27 @@ def rollout_implicit_rewards(
     return step_rewards(tokens, ends), ends
 
 
+def rollout_implicit_examples(
+    batch: RolloutBatch,
+    labels: jax.Array,  # [B] 1 correct, 0 wrong
+    weights: jax.Array,  # [B] 0 drops a row (an invalid verdict)
+) -> dict[str, jax.Array]:
+    """A rollout batch as ``implicit_prm_objective`` rows, without ``ref_logp``: PRIME's
+    online update trains ``pi_phi`` on the very rollouts it scored, token in, token out.
+
+    The rows keep the rollout's layout (left-padded prompt, then the response); only the
+    trained response tokens (``response_mask``) enter the implicit reward, so a multi-turn
+    environment's tokens condition it but are not judged."""
+    b, p = batch.tokens.shape[0], batch.prompt_len
+    chex.assert_shape(labels, (b,))
+    chex.assert_shape(weights, (b,))
+    response = jnp.concatenate([jnp.zeros((b, p), bool), batch.response_mask > 0], axis=1)  # [B, L]
+    return {
+        "tokens": batch.tokens, "mask": batch.input_mask.astype(bool), "response_mask": response,
+        "labels": labels.astype(jnp.float32), "weight": weights.astype(jnp.float32),
+    }  # fmt: skip
+
+
 def train_implicit_prm(
     graphdef,
     policy_params,
@@ -362,6 +383,7 @@ __all__ = [
     "implicit_prm_trainer",
     "implicit_token_rewards",
     "reference_log_probs",
+    "rollout_implicit_examples",
     "rollout_implicit_rewards",
     "row_log_probs",
     "step_ends",

@@ -19,6 +19,11 @@ rollout's verdicts join a buffer of the newest ``refresh_buffer`` traces, and ev
 one prompt's right and wrong completions (``RewardModelRefresher``). Its optimiser
 state and the buffer are checkpointed, so a resumed run refreshes as an uninterrupted
 one would.
+
+With ``process_reward.online_learning_rate`` > 0 the implicit PRM is updated online, as
+PRIME does: each rollout batch is scored by the current ``pi_phi``, then ``pi_phi`` takes
+one cross-entropy step on that batch's outcome labels (``rollout_implicit_examples``;
+no samples beyond the rollouts). Its optimiser state is checkpointed with it.
 """
 
 from __future__ import annotations
@@ -36,7 +41,13 @@ from rlpt.models import ProcessRewardModel, RewardModel, create_model
 from rlpt.parallel import batch_sharding, replicated, state_shardings
 from rlpt.parallel.multihost import to_device
 from rlpt.rewards.composite import NormState, RewardConfig, assemble_rewards, init_norm_state
-from rlpt.rewards.implicit import ImplicitPRM, rollout_implicit_rewards
+from rlpt.rewards.implicit import (
+    ImplicitPRM,
+    implicit_prm_trainer,
+    rollout_implicit_examples,
+    rollout_implicit_rewards,
+    row_log_probs,
+)
 from rlpt.rewards.monitor import MonitorConfig, RewardMonitor, _DomainStats
 from rlpt.rewards.preferences import Trace, traces_from_results
 from rlpt.rewards.scoring import RewardModelRefresher, rollout_process_scores, rollout_rm_scores
@@ -47,6 +58,7 @@ RM_STATE_KEY = "reward_model_state"  # parameters and optimiser state, when refr
 # The implicit PRM: pi_phi and its frozen reference (the policy it started from, which
 # PPO moves away from, so it is stored rather than read back from the learner).
 IMPLICIT_KEY, IMPLICIT_REF_KEY = "implicit_prm", "implicit_prm_ref"
+IMPLICIT_STATE_KEY = "implicit_prm_state"  # pi_phi and its optimiser, when updated online
 
 
 def reward_model_trainer(c, graph, mesh=None):
@@ -83,6 +95,9 @@ class LearnedRewards:
     # The policy's graph and a template of its full state: what restores the implicit PRM.
     policy_graph: Any = None
     policy_template: Any = None
+    implicit_online_lr: float = 0.0  # process_reward.online_learning_rate
+    implicit_trainer: Any = None  # SupervisedTrainer of the online update
+    implicit_state: Any = None  # its state (pi_phi and optimiser) while updating online
 
     @classmethod
     def from_config(cls, config, tokenizer) -> LearnedRewards:
@@ -99,6 +114,7 @@ class LearnedRewards:
             rm_config=config.reward_model, tokenizer=tokenizer,
             prm_kind=str(config.process_reward.kind),
             implicit_beta=float(config.process_reward.beta),
+            implicit_online_lr=float(config.process_reward.online_learning_rate),
         )  # fmt: skip
 
     @property
@@ -169,6 +185,28 @@ class LearnedRewards:
 
     def set_implicit_prm(self, prm: ImplicitPRM) -> None:
         self.implicit = prm
+        if self.implicit_online_lr:
+            self.implicit_trainer = self._implicit_trainer(prm.graphdef, prm.frozen)
+            self.implicit_state = self.implicit_trainer.init(jax.tree.map(jnp.copy, prm.params))
+            prm.params = self.implicit_state.params
+
+    def _implicit_trainer(self, graph, frozen=None):
+        """The online update's trainer: a constant rate, PRIME's cross-entropy."""
+        return implicit_prm_trainer(
+            TrainConfig(learning_rate=self.implicit_online_lr), graph, beta=self.implicit_beta,
+            frozen=frozen, mesh=self.mesh,
+        )  # fmt: skip
+
+    def update_implicit(self, batch, success, valid) -> dict[str, float]:
+        """PRIME's online step on a scored rollout batch: ``prm/online_*`` metrics."""
+        prm = self.implicit
+        data = _online_examples(
+            prm.graphdef, prm.ref_params, prm.frozen, batch, jnp.asarray(success, jnp.float32),
+            jnp.asarray(valid, jnp.float32),
+        )  # fmt: skip
+        self.implicit_state, metrics = self.implicit_trainer.step(self.implicit_state, data)
+        prm.params = self.implicit_state.params
+        return {f"prm/online_{k}": float(v) for k, v in jax.device_get(metrics).items()}
 
     def set_policy(self, graph, template) -> None:
         """The policy's graph and a template of its full state (for restoring pi_phi)."""
@@ -183,7 +221,10 @@ class LearnedRewards:
             out[RM_KEY] = self.rm_params
         if self.prm_params is not None:
             out[PRM_KEY] = self.prm_params
-        if self.implicit is not None:
+        if self.implicit_state is not None:
+            out[IMPLICIT_STATE_KEY] = self.implicit_state
+            out[IMPLICIT_REF_KEY] = self.implicit.ref_params
+        elif self.implicit is not None:
             out[IMPLICIT_KEY] = self.implicit.params
             out[IMPLICIT_REF_KEY] = self.implicit.ref_params
         return out
@@ -215,11 +256,17 @@ class LearnedRewards:
                 jax.random.key(0),
             )
             out[PRM_KEY] = params
-        if IMPLICIT_KEY in names:
+        if IMPLICIT_KEY in names or IMPLICIT_STATE_KEY in names:
             if self.policy_template is None:
                 raise ValueError("restoring an implicit PRM needs set_policy() first")
-            out[IMPLICIT_KEY] = self.policy_template
             out[IMPLICIT_REF_KEY] = self.policy_template
+            if IMPLICIT_KEY in names:
+                out[IMPLICIT_KEY] = self.policy_template
+            else:
+                self.implicit_trainer = self._implicit_trainer(self.policy_graph)
+                out[IMPLICIT_STATE_KEY] = jax.eval_shape(
+                    self.implicit_trainer.init, self.policy_template
+                )
         return out
 
     def set_items(self, items: Mapping[str, Any]) -> None:
@@ -229,7 +276,13 @@ class LearnedRewards:
             self.rm_state = items[RM_STATE_KEY]
             self.rm_params = self.rm_state.params
         self.prm_params = items.get(PRM_KEY, self.prm_params)
-        if IMPLICIT_KEY in items:
+        if IMPLICIT_STATE_KEY in items:
+            self.implicit_state = items[IMPLICIT_STATE_KEY]
+            self.implicit = ImplicitPRM(
+                self.policy_graph, self.implicit_state.params, items[IMPLICIT_REF_KEY],
+                beta=self.implicit_beta,
+            )  # fmt: skip
+        elif IMPLICIT_KEY in items:
             self.implicit = ImplicitPRM(
                 self.policy_graph, items[IMPLICIT_KEY], items[IMPLICIT_REF_KEY],
                 beta=self.implicit_beta,
@@ -277,6 +330,9 @@ class LearnedRewards:
             p = np.where(np.asarray(steps) > 0, np.asarray(process), np.inf).min(axis=1)
             learned = np.where(np.isfinite(p), p, 0.0) - 0.5
         metrics.update(self.monitor.update(domain_names, learned, success, valid > 0))
+        if self.implicit_state is not None and self.reward_config.process:
+            # PRIME's order: the batch was scored by pi_phi before this step moves it.
+            metrics.update(self.update_implicit(batch, success, valid))
         return batch.replace(rewards=total), metrics, dict(self.monitor.confidence())
 
 
@@ -296,6 +352,13 @@ def _implicit_scores(graph, beta, step_id, answer_id, params, ref_params, frozen
         graph, params, ref_params, batch, beta=beta, step_id=step_id, answer_id=answer_id,
         frozen=frozen,
     )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _online_examples(graph, ref_params, frozen, batch, success, valid):
+    data = rollout_implicit_examples(batch, success, valid)
+    data["ref_logp"] = row_log_probs(graph, ref_params, data["tokens"], data["mask"], frozen)
+    return data
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -14,9 +14,12 @@ from rlpt.rewards import (
     encode_implicit_examples,
     implicit_outcome_logits,
     implicit_prm_loss,
+    implicit_prm_objective,
     implicit_token_rewards,
     init_norm_state,
+    rollout_implicit_examples,
     rollout_implicit_rewards,
+    row_log_probs,
     step_ends,
     step_rewards,
     train_implicit_prm,
@@ -225,3 +228,42 @@ def test_rollout_rewards_match_unpadded_rows_and_feed_the_composite(trained):
         batch.response_mask, outcome=jnp.zeros(2), process=steps, step_mask=ends,
     )  # fmt: skip
     np.testing.assert_allclose(total, steps, rtol=1e-6, atol=1e-7)
+
+
+def test_online_examples_of_a_rollout_give_the_loss_of_right_padded_rows(trained):
+    """PRIME's online update reads the rollout's own layout (left-padded prompts, response
+    columns, a multi-turn environment token present but untrained); its loss equals that
+    of the same rows encoded alone, right-padded, with the environment token's loss off."""
+    graph, params, prm, _ = trained
+    prompts = [TOK.encode("a?", add_bos=True), TOK.encode("bb?", add_bos=True)]
+    responses = [TOK.encode("yes", add_eos=True), TOK.encode("n!o", add_eos=True)]
+    p_tok, p_mask = left_pad(prompts, 6, TOK.pad_id)
+    r_tok = np.full((2, 8), TOK.pad_id, np.int32)
+    r_mask = np.zeros((2, 8), np.float32)
+    present = np.zeros((2, 8), bool)
+    for i, r in enumerate(responses):
+        r_tok[i, : len(r)] = r
+        r_mask[i, : len(r)] = 1
+        present[i, : len(r)] = True
+    r_mask[1, 1] = 0.0  # "!" is an environment token: present, not trained
+    batch = new_rollout_batch(p_tok, p_mask, r_tok, r_mask, present_mask=present)
+    labels = np.asarray([1.0, 0.0], np.float32)
+    weights = np.asarray([1.0, 0.5], np.float32)
+    data = rollout_implicit_examples(batch, jnp.asarray(labels), jnp.asarray(weights))
+    data["ref_logp"] = row_log_probs(graph, params, data["tokens"], data["mask"])
+    objective = lambda d: implicit_prm_objective(graph, prm.params, d, beta=prm.beta)  # noqa: E731
+    loss, metrics = objective(data)
+
+    # Independent layout: right-padded rows from the raw ids, loss per row by hand.
+    rows = encode_implicit_examples(
+        [(p, r, lab) for p, r, lab in zip(prompts, responses, labels)], pad_id=TOK.pad_id,
+        pad_to=12,
+    )  # fmt: skip
+    rows["response_mask"][1, len(prompts[1]) + 1] = False
+    logits = np.asarray(prm.outcome_logits(rows["tokens"], rows["mask"], rows["response_mask"]))
+    per_row = np.log1p(np.exp(logits)) - labels * logits
+    expected = float((per_row * weights).sum() / weights.sum())
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-4, atol=1e-6)
+    assert float(metrics["accuracy"]) == pytest.approx(
+        float((((logits > 0) == (labels > 0.5)) * weights).sum() / weights.sum())
+    )

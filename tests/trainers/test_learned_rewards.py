@@ -328,7 +328,9 @@ IMPLICIT = {
 
 def test_implicit_prm_stage_trains_and_its_rewards_reach_ppo(tmp_path):
     workdir = str(tmp_path / "implicit")
-    summary = train.train_and_evaluate(_demo_config(**IMPLICIT), workdir)
+    # Updated online too (PRIME): one step of pi_phi on each PPO batch.
+    config = _demo_config(**IMPLICIT, **{"process_reward.online_learning_rate": 1e-3})
+    summary = train.train_and_evaluate(config, workdir)
     records = _read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     prm = [r for r in records if r["stage"] == "prm"]
     assert prm and all(np.isfinite(r["prm/loss"]) for r in prm)
@@ -346,6 +348,7 @@ def test_implicit_prm_stage_trains_and_its_rewards_reach_ppo(tmp_path):
     # pi_phi has moved from its reference, so the step rewards are not all zero.
     assert any(r["reward/process"] != 0.0 for r in ppo)
     assert all(np.isfinite(r["reward/process"]) for r in ppo)
+    assert all(np.isfinite(r["prm/online_loss"]) and "prm/online_accuracy" in r for r in ppo)
 
 
 def test_implicit_prm_checkpoint_restores_pi_phi_and_its_reference():
@@ -389,3 +392,85 @@ def test_implicit_prm_checkpoint_restores_pi_phi_and_its_reference():
     a, _, _ = saved.apply(batch, ["d", "d"], np.asarray([1.0, 0.0]), np.ones(2))
     b, _, _ = fresh.apply(batch, ["d", "d"], np.asarray([1.0, 0.0]), np.ones(2))
     np.testing.assert_array_equal(np.asarray(a.rewards), np.asarray(b.rewards))
+
+
+def test_implicit_prm_online_scores_then_steps_and_checkpoints_its_optimiser():
+    """PRIME's order: a batch is scored by pi_phi as it was, then pi_phi takes one step on
+    that batch's outcome labels; the step's loss is the objective on the same rows encoded
+    apart (right-padded), and a checkpoint round trip (pi_phi, its optimiser state and the
+    reference) continues exactly."""
+    import jax
+
+    from rlpt.models import CausalLM, create_model, get_preset
+    from rlpt.rewards.implicit import (
+        ImplicitPRM,
+        encode_implicit_examples,
+        implicit_prm_objective,
+        reference_log_probs,
+    )
+    from rlpt.rewards.learned import IMPLICIT_KEY, IMPLICIT_REF_KEY, IMPLICIT_STATE_KEY
+    from rlpt.tokenizers import ByteTokenizer
+
+    tok = ByteTokenizer()
+    cfg = get_preset("tiny").replace(max_seq_len=32)
+    graph, ref = create_model(lambda r: CausalLM(cfg, rngs=r), jax.random.key(0))
+    _, phi = create_model(lambda r: CausalLM(cfg, rngs=r), jax.random.key(1))
+    online = _demo_config(**IMPLICIT, **{"process_reward.online_learning_rate": 1e-2})
+
+    def learned(config):
+        out = LearnedRewards.from_config(config, tok)
+        out.set_policy(graph, jax.eval_shape(lambda: ref))
+        return out
+
+    fixed = learned(_demo_config(**IMPLICIT))
+    fixed.set_implicit_prm(ImplicitPRM(graph, jax.tree.map(jnp.copy, phi), ref, beta=0.05))
+    moving = learned(online)
+    moving.set_implicit_prm(ImplicitPRM(graph, jax.tree.map(jnp.copy, phi), ref, beta=0.05))
+    assert fixed.implicit_state is None and moving.implicit_state is not None
+
+    prompts = [tok.encode("1+1=", add_bos=True), tok.encode("2+2=", add_bos=True)]
+    responses = [
+        tok.encode("2<step><answer>2", add_eos=True),
+        tok.encode("5<answer>5", add_eos=True),
+    ]
+    width = max(map(len, responses))
+    r_tok = np.full((2, width), tok.pad_id, np.int32)
+    r_mask = np.zeros((2, width), np.float32)
+    for i, r in enumerate(responses):
+        r_tok[i, : len(r)], r_mask[i, : len(r)] = r, 1.0
+    batch = new_rollout_batch(
+        np.asarray(prompts, np.int32), np.ones((2, len(prompts[0])), bool), r_tok, r_mask,
+        sequence_rewards=np.asarray([1.0, 0.0], np.float32),
+    )  # fmt: skip
+    success, valid = np.asarray([1.0, 0.0]), np.ones(2)
+    a, _, _ = fixed.apply(batch, ["d", "d"], success, valid)
+    b, metrics, _ = moving.apply(batch, ["d", "d"], success, valid)
+    # Scored before the step: the same rewards as a pi_phi that never moves.
+    np.testing.assert_array_equal(np.asarray(a.rewards), np.asarray(b.rewards))
+    rows = encode_implicit_examples(
+        [(p, r, float(s)) for p, r, s in zip(prompts, responses, success)], pad_id=tok.pad_id,
+        pad_to=len(prompts[0]) + width,
+    )  # fmt: skip
+    rows["ref_logp"] = reference_log_probs(graph, ref, rows["tokens"], rows["mask"])
+    loss, _ = implicit_prm_objective(graph, phi, rows, beta=0.05)
+    assert metrics["prm/online_loss"] == pytest.approx(float(loss), rel=1e-4, abs=1e-6)
+    moved = max(
+        float(jnp.max(jnp.abs(x - y)))
+        for x, y in zip(jax.tree.leaves(moving.implicit.params), jax.tree.leaves(phi))
+    )
+    assert moved > 0.0
+
+    items = moving.items()
+    assert IMPLICIT_STATE_KEY in items and IMPLICIT_KEY not in items
+    assert items[IMPLICIT_REF_KEY] is ref
+    fresh = learned(online)
+    template = fresh.templates(list(items), cfg, tok.step_id)
+    assert jax.tree.structure(template[IMPLICIT_STATE_KEY]) == jax.tree.structure(
+        items[IMPLICIT_STATE_KEY]
+    )
+    restored = jax.tree.map(jnp.copy, items[IMPLICIT_STATE_KEY])
+    fresh.set_items({**items, IMPLICIT_STATE_KEY: restored})
+    c, m1, _ = moving.apply(batch, ["d", "d"], success, valid)
+    d, m2, _ = fresh.apply(batch, ["d", "d"], success, valid)
+    np.testing.assert_array_equal(np.asarray(c.rewards), np.asarray(d.rewards))
+    assert m1["prm/online_loss"] == m2["prm/online_loss"]
