@@ -608,6 +608,14 @@ class AsyncSection:
     the rest; every token of a batch is at most ``max_staleness`` policy versions old
     (admission control, nothing discarded). Set ``ppo.behaviour_correction`` for decoupled
     PPO; "none" is naive PPO on stale samples.
+
+    ``token_budget`` > 0 sizes batches by tokens rather than by a fixed count: a learner
+    batch takes the due groups, then groups by priority while their response tokens fit
+    the budget, from ``rollout.batch_size / rollout.group_size`` groups (the rate the
+    staleness rule admits them; fewer would let groups pile up until more fall due at once
+    than a batch holds) to ``max_batch_groups`` (0: twice that): short responses make
+    larger batches. The update always sees ``max_batch_groups`` groups, the missing ones
+    as rows of zero loss weight, so one program serves every batch; their compute is spent.
     """
 
     enabled: bool = False
@@ -620,6 +628,8 @@ class AsyncSection:
     pool_capacity_tokens: int = 1 << 20
     reward_threads: int = 4
     in_flight: str = "continue"
+    token_budget: int = 0  # > 0: a learner batch closes at this many response tokens
+    max_batch_groups: int = 0  # with token_budget: groups per batch at most (0: twice the base)
     # "sync": the same parts strictly in turn (generate the batch, judge it, update), the
     # synchronous baseline that max_staleness = 0 reproduces step for step.
     mode: str = "async"
@@ -638,6 +648,8 @@ class AsyncSection:
         _at_least("async_rl.reward_threads", self.reward_threads, 1)
         _choice("async_rl.in_flight", self.in_flight, ("continue", "requeue"))
         _choice("async_rl.mode", self.mode, ("async", "sync"))
+        _at_least("async_rl.token_budget", self.token_budget, 0)
+        _at_least("async_rl.max_batch_groups", self.max_batch_groups, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -782,13 +794,20 @@ class PostTrainConfig:
         ppo = self.ppo
         updates = {
             "total_steps": self.derived_total_steps if ppo.total_steps is None else None,
-            "num_groups": self.rollout.batch_size // self.rollout.group_size
-            if ppo.num_groups is None
-            else None,
+            "num_groups": self.learner_groups if ppo.num_groups is None else None,
             "sampling_temperature": float(self.rollout.temperature),
         }
         updates = {k: v for k, v in updates.items() if v is not None}
         object.__setattr__(self, "ppo", dataclasses.replace(ppo, **updates))
+
+    @property
+    def learner_groups(self) -> int:
+        """Groups in a learner batch: ``rollout.batch_size / rollout.group_size``, or
+        ``async_rl.max_batch_groups`` when batching by ``async_rl.token_budget``."""
+        a, base = self.async_rl, self.rollout.batch_size // self.rollout.group_size
+        if a.enabled and a.token_budget:
+            return a.max_batch_groups or 2 * base
+        return base
 
     @property
     def derived_total_steps(self) -> int:
@@ -848,12 +867,32 @@ class PostTrainConfig:
                 f"ppo.grad_accum must divide the minibatch of {minibatch} sequences "
                 f"(rollout.batch_size / ppo.num_minibatches), got {ppo.grad_accum}"
             )
-        groups = r.batch_size // r.group_size
+        groups = self.learner_groups
         if ppo.num_groups is not None and ppo.num_groups != groups:
-            raise ConfigError(
-                f"ppo.num_groups must be rollout.batch_size / rollout.group_size = {groups} "
-                f"(or None), got {ppo.num_groups}"
+            source = (
+                "rollout.batch_size / rollout.group_size"
+                if groups == r.batch_size // r.group_size
+                else "the learner batch's groups with async_rl.token_budget"
             )
+            raise ConfigError(
+                f"ppo.num_groups must be {source} = {groups} (or None), got {ppo.num_groups}"
+            )
+        a = self.async_rl
+        if a.token_budget and not a.enabled:
+            raise ConfigError("async_rl.token_budget batches the asynchronous learner; it needs "
+                              "async_rl.enabled")  # fmt: skip
+        if a.enabled and a.token_budget:
+            if a.max_batch_groups:
+                _at_least(
+                    "async_rl.max_batch_groups", a.max_batch_groups, r.batch_size // r.group_size
+                )
+            rows = self.learner_groups * r.group_size
+            if rows % (ppo.num_minibatches * ppo.grad_accum):
+                raise ConfigError(
+                    f"async_rl.max_batch_groups * rollout.group_size ({rows} rows) must split "
+                    f"into ppo.num_minibatches * ppo.grad_accum "
+                    f"({ppo.num_minibatches * ppo.grad_accum})"
+                )
         if ppo.sampling_temperature != PPOConfig.sampling_temperature and (
             ppo.sampling_temperature != r.temperature
         ):

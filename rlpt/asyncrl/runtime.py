@@ -50,7 +50,12 @@ class AsyncConfig:
     max_staleness: int = 1  # eta: a batch's tokens are at most this many versions old
     batch_groups: int = 8  # groups (prompts) per learner batch
     group_size: int = 4  # samples per prompt
-    token_budget: int | None = None  # None: exactly batch_groups groups per batch
+    # None: exactly batch_groups groups per batch. Otherwise at least batch_groups (the rate
+    # the staleness rule admits them: fewer would let unconsumed groups pile up until more
+    # fall due at once than a batch holds), then more while their tokens fit the budget,
+    # at most max_batch_groups (None: no cap).
+    token_budget: int | None = None
+    max_batch_groups: int | None = None
     pool_capacity_tokens: int = 1 << 20
     priority: str = "uniform"
     alpha: float = 1.0
@@ -73,6 +78,8 @@ class AsyncConfig:
         at_least("reward_threads", self.reward_threads, 1)
         if self.token_budget is not None:
             at_least("token_budget", self.token_budget, 1)
+        if self.max_batch_groups is not None:
+            at_least("max_batch_groups", self.max_batch_groups, self.batch_groups)
         for name, value, allowed in (
             ("priority", self.priority, PRIORITIES),
             ("in_flight", self.in_flight, ("continue", "requeue")),
@@ -410,9 +417,7 @@ class AsyncRunner:
         # batch_groups unconsumed groups can be due at any version.
         if any(u + cfg.max_staleness <= self.version for u in self._admitted_at.values()):
             return False
-        if cfg.token_budget is None:
-            return len(self.pool) >= cfg.batch_groups
-        return self.pool.tokens >= cfg.token_budget or len(self.pool) >= cfg.batch_groups
+        return len(self.pool) >= cfg.batch_groups
 
     def _learner_step(self) -> dict:
         t0 = time.perf_counter()
@@ -432,11 +437,10 @@ class AsyncRunner:
     def _draw(self) -> Draw:
         cfg = self.cfg
         budget = cfg.token_budget if cfg.token_budget is not None else self.pool.tokens
-        max_items = cfg.batch_groups if cfg.token_budget is None else None
+        max_items = cfg.batch_groups if cfg.token_budget is None else cfg.max_batch_groups
         return self.pool.draw(
             budget, self.version, cfg.max_staleness,
-            min_items=min(cfg.batch_groups, len(self.pool)) if cfg.token_budget is None else 1,
-            max_items=max_items,
+            min_items=min(cfg.batch_groups, len(self.pool)), max_items=max_items,
         )  # fmt: skip
 
     def _step_metrics(self, draw: Draw, metrics: dict, wait_s: float, step_s: float) -> dict:

@@ -112,7 +112,11 @@ class AsyncPPOStage:
             group_size=r.group_size, pool_capacity_tokens=a.pool_capacity_tokens,
             priority=a.priority, alpha=a.alpha, beta=a.beta, max_reuse=a.max_reuse,
             reward_threads=a.reward_threads, in_flight=a.in_flight, mode=a.mode,
+            token_budget=a.token_budget or None,
+            max_batch_groups=config.learner_groups if a.token_budget else None,
         )  # fmt: skip
+        # Every learner batch is laid out with this many groups (see _learn).
+        self.learner_groups = config.learner_groups
 
     # -- the runner's parts --------------------------------------------------------------------
 
@@ -175,6 +179,17 @@ class AsyncPPOStage:
         order = sorted(range(len(draw.items)), key=lambda i: draw.items[i].key)
         groups = [draw.items[i].payload for i in order]
         weights = np.asarray(draw.weights, np.float32)[order]
+        real = len(groups)
+        if real < self.learner_groups:
+            # A token-budget draw of fewer groups: the rest of the layout are copies of the
+            # last group with zero loss weight and invalid verdicts (out of every loss,
+            # denominator and statistic), so the update keeps one shape.
+            missing = self.learner_groups - real
+            groups = groups + [dataclasses.replace(
+                groups[-1], extra={**groups[-1].extra,
+                                   "valid": [0.0] * len(groups[-1].tokens)},
+            )] * missing  # fmt: skip
+            weights = np.concatenate([weights, np.zeros(missing, np.float32)])
         traj = self._group_trajectories(groups)
         g = self.config.rollout.group_size
         verdicts = Verdicts(
@@ -191,7 +206,12 @@ class AsyncPPOStage:
         group_id = np.repeat(np.arange(len(groups)), g).astype(np.int32)
         batch, _ = self.learner.make_batch(traj, group_id, **self.make_batch_kwargs)
         batch = self.learner.score(batch)
-        mismatch = self.learner.trainer.mismatch(batch)
+        scored = batch
+        if real < self.learner_groups:  # the layout's filler rows are not the sampler's
+            filler = jnp.arange(batch.response_mask.shape[0]) >= real * g
+            scored = batch.replace(response_mask=jnp.where(filler[:, None], 0.0,
+                                                           batch.response_mask))  # fmt: skip
+        mismatch = self.learner.trainer.mismatch(scored)
         batch = self.learner.advantages(batch)
         metrics = {**mismatch, **self.learner.update(batch)}
         adv, mask = to_host((batch.advantages, batch.response_mask))
@@ -203,6 +223,7 @@ class AsyncPPOStage:
             difficulty=traj.difficulty[keep],
         )  # fmt: skip
         self._traj = traj
+        self._real_rows = real * g
         weights_out = jax.tree.map(jnp.copy, self.learner.policy_params())
         return weights_out, {f"ppo/{k}": v for k, v in to_host(metrics).items()}
 
@@ -261,7 +282,8 @@ class AsyncPPOStage:
         valid = self._feedback.success.size > 0
         m["ppo/success"] = float(self._feedback.success.mean()) if valid else float("nan")
         m["ppo/score"] = float(np.mean(self._feedback.reward)) if valid else float("nan")
-        m["ppo/truncated_frac"] = float(np.mean(traj.truncated))
+        real = self._real_rows
+        m["ppo/truncated_frac"] = float(np.mean(traj.truncated[:real]))
         counters = self.reward.counters
         m["ppo/sandbox_failures"] = counters["sandbox_failures"]
         m["ppo/nonfinite_rewards"] = counters["nonfinite_rewards"]
@@ -271,7 +293,7 @@ class AsyncPPOStage:
                 m[f"ppo/{name}/success"] = float(self._feedback.success[rows].mean())
         m.update(self.loader.metrics())
         m["time/step_s"] = now - t_last[0]
-        m["time/tokens_per_s"] = float(traj.lengths.sum()) / max(now - t_last[0], 1e-9)
+        m["time/tokens_per_s"] = float(traj.lengths[:real].sum()) / max(now - t_last[0], 1e-9)
         t_last[0] = now
         last = ctx.stage_step == total
         m.update(self.evaluation.after_rl_step(

@@ -83,7 +83,10 @@ def test_killed_and_rerun_async_run_trains_on_every_prompt_once(tmp_path):
     [({"rollout.filter_groups": True}, "rollout.filter_groups"),
      ({"rewards.reward_model": 0.5, "stages": ("sft", "rm", "ppo")}, "learned reward"),
      ({"async_rl.priority": "newest"}, "async_rl.priority"),
-     ({"async_rl.max_staleness": -1}, "async_rl.max_staleness")],
+     ({"async_rl.max_staleness": -1}, "async_rl.max_staleness"),
+     ({"async_rl.token_budget": 64, "async_rl.max_batch_groups": 1},
+      "async_rl.max_batch_groups"),
+     ({"async_rl.token_budget": 64, "async_rl.enabled": False}, "needs async_rl.enabled")],
 )  # fmt: skip
 def test_async_settings_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -109,3 +112,24 @@ def test_staleness_zero_reproduces_the_synchronous_run(tmp_path):
     assert len(runs["sync"]) == 5
     for a, b in zip(runs["sync"], runs["eta0"]):
         assert a == b
+
+
+def test_token_budget_batches_lay_out_the_same_groups_with_filler_rows(tmp_path):
+    """async_rl.token_budget: a batch takes the base count of groups (2 here), then more
+    while the budget allows (here none: a budget of one token), and the learner sees
+    async_rl.max_batch_groups groups every step, the missing ones as rows of zero weight:
+    every step trains, on each prompt once, with finite metrics."""
+    config = parse_config(_config(**{"async_rl.token_budget": 1, "async_rl.max_batch_groups": 3}))
+    assert config.learner_groups == 3 and config.ppo.num_groups == 3
+    workdir = str(tmp_path / "budget")
+    train.train_and_evaluate(_config(**{"async_rl.token_budget": 1,
+                                        "async_rl.max_batch_groups": 3}), workdir)  # fmt: skip
+    lines = _ppo_lines(workdir)
+    assert len(lines) == 5
+    assert all(r["async/groups"] == 2 for r in lines)  # so each layout has filler rows
+    trained = [k for r in lines for k in r["async/prompt_keys"]]
+    assert len(trained) == len(set(trained)) == sum(r["async/groups"] for r in lines)
+    for r in lines:
+        assert r["ppo/mismatch_kl"] >= 0
+        for key in ("ppo/loss", "ppo/kl", "ppo/success"):
+            assert key in r and r[key] == r[key], (key, r.get(key))  # present, not NaN
