@@ -772,10 +772,10 @@ class PostTrainConfig:
                 "rollout.filter_groups must be False with async_rl.enabled (groups are trained on "
                 "as they come; async_rl.priority='learnability' favours groups whose rewards vary)"
             )
-        if self.async_rl.enabled and (self.rewards.reward_model > 0 or self.rewards.process > 0):
+        if self.async_rl.enabled and self.reward_model.refresh_every:
             raise ConfigError(
-                "async_rl.enabled does not take learned reward terms yet: set rewards.reward_model "
-                "and rewards.process to 0"
+                "reward_model.refresh_every > 0 does not run with async_rl.enabled yet (the "
+                "refresh reads verifier results the pool does not keep): set it to 0"
             )
         k = len(self.domains)
         if self.curriculum.floor * k > 1.0 + 1e-6:

@@ -205,6 +205,9 @@ class AsyncPPOStage:
         )
         group_id = np.repeat(np.arange(len(groups)), g).astype(np.int32)
         batch, _ = self.learner.make_batch(traj, group_id, **self.make_batch_kwargs)
+        # Learned terms (reward model, process rewards) score the batch as the learner lays
+        # it out, with the learner's mesh; filler rows are invalid and count nowhere.
+        batch, learned_metrics, confidence = self.reward.assemble(batch, traj)
         batch = self.learner.score(batch)
         scored = batch
         if real < self.learner_groups:  # the layout's filler rows are not the sampler's
@@ -220,12 +223,13 @@ class AsyncPPOStage:
         self._feedback = Feedback(
             domain_index=traj.domain_index[keep], success=verdicts.success[keep],
             reward=verdicts.rewards[keep], abs_advantage=abs_adv[keep],
-            difficulty=traj.difficulty[keep],
+            difficulty=traj.difficulty[keep], confidence=confidence,
         )  # fmt: skip
         self._traj = traj
         self._real_rows = real * g
         weights_out = jax.tree.map(jnp.copy, self.learner.policy_params())
-        return weights_out, {f"ppo/{k}": v for k, v in to_host(metrics).items()}
+        out = {f"ppo/{k}": v for k, v in to_host(metrics).items()}
+        return weights_out, {**out, **learned_metrics}
 
     # -- the stage -----------------------------------------------------------------------------
 

@@ -235,6 +235,8 @@ class PostTrainRun:
         actor_mesh, learner_mesh = None, self.mesh
         if config.async_rl.enabled:
             actor_mesh, learner_mesh = self._role_meshes()
+            # Learned rewards score the learner's batches, on the learner's devices.
+            self.learned.mesh = learner_mesh
         self.learner = PPOLearner(
             self.ppo_cfg, self.policy_graph, self.model_cfg, value_key=self.keys["value_init"],
             base_params=self.base_params, lora=self.lora, mesh=learner_mesh,

@@ -81,7 +81,8 @@ def test_killed_and_rerun_async_run_trains_on_every_prompt_once(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [({"rollout.filter_groups": True}, "rollout.filter_groups"),
-     ({"rewards.reward_model": 0.5, "stages": ("sft", "rm", "ppo")}, "learned reward"),
+     ({"rewards.reward_model": 0.5, "stages": ("sft", "rm", "ppo"),
+       "reward_model.refresh_every": 2}, "reward_model.refresh_every"),
      ({"async_rl.priority": "newest"}, "async_rl.priority"),
      ({"async_rl.max_staleness": -1}, "async_rl.max_staleness"),
      ({"async_rl.token_budget": 64, "async_rl.max_batch_groups": 1},
@@ -133,3 +134,19 @@ def test_token_budget_batches_lay_out_the_same_groups_with_filler_rows(tmp_path)
         assert r["ppo/mismatch_kl"] >= 0
         for key in ("ppo/loss", "ppo/kl", "ppo/success"):
             assert key in r and r[key] == r[key], (key, r.get(key))  # present, not NaN
+
+
+def test_learned_process_rewards_reach_the_asynchronous_learner(tmp_path):
+    """An implicit PRM (updated online) in an async run: its step rewards reach the learner's
+    batches, scored on the learner's sub-mesh, and pi_phi steps on every batch."""
+    workdir = str(tmp_path / "learned")
+    train.train_and_evaluate(_config(**{
+        "stages": ("sft", "prm", "ppo"), "process_reward.kind": "implicit",
+        "rewards.process": 0.5, "process_reward.online_learning_rate": 1e-3, "ppo_steps": 3,
+    }), workdir)  # fmt: skip
+    lines = _ppo_lines(workdir)
+    assert len(lines) == 3
+    for r in lines:
+        assert r["reward/process"] == r["reward/process"] and r["reward/non_finite"] == 0.0
+        assert r["prm/online_loss"] == r["prm/online_loss"]
+    assert any(r["reward/process"] != 0.0 for r in lines)
