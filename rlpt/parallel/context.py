@@ -22,6 +22,20 @@ needs every query to meet every key of its row. Two strategies:
   under the causal mask, outside the window, another segment, padding) is
   skipped with ``lax.cond``: under the plain causal mask about half the blocks.
 
+  Load balance: with contiguous shards the causal mask gives device i work on
+  i + 1 of the P blocks, and the ring moves in lockstep, so every step waits
+  for the busiest device and the skipped blocks save no time. ``"ring"`` lays
+  the row out in zigzag order when its length divides by 2P (Brandon et al.
+  2023, "Striped Attention"; the zigzag of Megatron's and Llama 3's context
+  parallelism): the row is cut into 2P chunks and device i holds chunks i and
+  2P - 1 - i, so every device holds an early and a late chunk. Each ring step
+  then meets four chunk pairs, of which the causal mask needs about two on
+  every device (the other two are skipped): each device's work is about half
+  the contiguous layout's busiest device. The reordering is a permutation of
+  the token axis before and after the attention; positions, validity and
+  segments travel with the tokens, so the maths is unchanged.
+  ``"ring_contiguous"`` keeps contiguous shards (the layout to compare with).
+
 A query attends to a key when the key is valid, ``k_pos <= q_pos`` (causal by the
 given positions), both carry the same segment id (when given), and, with a
 sliding window W > 0, ``q_pos - k_pos < W`` or ``k_pos < attention_sinks``.
@@ -41,12 +55,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh, PartitionSpec
 
 from rlpt.parallel.sharding import DEFAULT_RULES, Rules, logical_to_spec
 
-STRATEGIES = ("allgather", "ring")
+STRATEGIES = ("allgather", "ring", "ring_contiguous")
 _MASKED = -1e30  # finite, so fully masked rows give no NaN (values and gradients)
 
 
@@ -127,16 +142,26 @@ def _local_attention(
         return _finish(_accumulate(stats, q, k_all, v_all, allowed), v.dtype)
 
     @jax.checkpoint
-    def block(stats, kv):
+    def block(stats, q_part, kv):
+        q_blk, qp_blk, qseg_blk = q_part
         k_blk, v_blk, kp_blk, kvalid_blk, kseg_blk = kv
-        allowed = mask(q_pos, kp_blk, kvalid_blk, q_seg, kseg_blk)
+        allowed = mask(qp_blk, kp_blk, kvalid_blk, qseg_blk, kseg_blk)
         return jax.lax.cond(
             jnp.any(allowed),
-            lambda s: _accumulate(s, q, k_blk, v_blk, allowed),
+            lambda s: _accumulate(s, q_blk, k_blk, v_blk, allowed),
             lambda s: s,
             stats,
         )
 
+    # Zigzag: the local shard is two chunks (an early and a late one), and so is each key
+    # shard; each of the four chunk pairs is computed or skipped on its own.
+    parts = 2 if strategy == "ring" and _zigzag(size, t * size) else 1
+
+    def split(x):
+        return (None,) * parts if x is None else tuple(jnp.split(x, parts, axis=1))
+
+    q_parts = list(zip(split(q), split(q_pos), split(q_seg)))
+    part_stats = [_empty_stats(qp[0]) for qp in q_parts]
     # Device i holds key shard (i - step) mod P at ring step `step`. A Python loop (P is
     # a mesh size, small) lets XLA overlap each ppermute with the block computed meanwhile.
     perm = [(i, (i + 1) % size) for i in range(size)]
@@ -145,13 +170,33 @@ def _local_attention(
         incoming = None
         if step + 1 < size:
             incoming = jax.tree.map(lambda x: jax.lax.ppermute(x, axis, perm), kv)
-        # The diagonal block (step 0) always holds the query's own key: never skipped.
-        if step == 0:
-            stats = _accumulate(stats, q, k, v, mask(q_pos, k_pos, k_valid, q_seg, k_seg))
-        else:
-            stats = block(stats, kv)
+        kv_parts = list(zip(*(split(x) for x in kv)))
+        pairs = [(i, j) for i in range(parts) for j in range(parts)]
+        for i, j in sorted(pairs, key=lambda ij: ij[0] != ij[1]):  # diagonals first
+            if step == 0 and i == j:
+                # A diagonal block holds each query's own key: never skipped (and its
+                # result is what makes the running statistics vary across devices).
+                q_blk, qp_blk, qseg_blk = q_parts[i]
+                k_blk, v_blk, kp_blk, kvalid_blk, kseg_blk = kv_parts[j]
+                allowed = mask(qp_blk, kp_blk, kvalid_blk, qseg_blk, kseg_blk)
+                part_stats[i] = _accumulate(part_stats[i], q_blk, k_blk, v_blk, allowed)
+            else:
+                part_stats[i] = block(part_stats[i], q_parts[i], kv_parts[j])
         kv = incoming
-    return _finish(stats, v.dtype)
+    return jnp.concatenate([_finish(st, v.dtype) for st in part_stats], axis=1)
+
+
+def _zigzag(size: int, length: int) -> bool:
+    """Whether a row of ``length`` tokens over ``size`` devices takes the zigzag layout."""
+    return size > 1 and length % (2 * size) == 0
+
+
+def zigzag_order(size: int, length: int) -> np.ndarray:
+    """Token indices in zigzag order [length]: device i's shard is chunk i then chunk
+    2 * size - 1 - i of the row cut into 2 * size chunks."""
+    chunks = np.arange(length).reshape(2 * size, length // (2 * size))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * size - 1 - i]])
+                           for i in range(size)])  # fmt: skip
 
 
 def context_parallel_attention(
@@ -226,7 +271,15 @@ def context_parallel_attention(
 
     args = (q, k, v, q_positions, k_positions, k_valid) + ((segment_ids,) if seg else ())
     specs = (qs, ks, ks, row, row, row) + ((row,) if seg else ())
-    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=qs)(*args)
+    zigzag = strategy == "ring" and _zigzag(size, t)
+    if zigzag:  # every [B, T, ...] argument in zigzag order along T (see the module doc)
+        order = zigzag_order(size, t)
+        args = tuple(jnp.take(x, order, axis=1) for x in args)
+    out = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=qs)(*args)
+    if zigzag:
+        out = jnp.take(out, np.argsort(order), axis=1)
+        out = jax.lax.with_sharding_constraint(out, jax.sharding.NamedSharding(mesh, qs))
+    return out
 
 
 def _as_tuple(spec_entry) -> tuple[str, ...]:

@@ -145,7 +145,7 @@ def data_parallel_size(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
     return size
 
 
-# How attention meets a row split along its length: "ring" or "allgather"
+# How attention meets a row split along its length: "ring", "ring_contiguous" or "allgather"
 # (rlpt.parallel.context.STRATEGIES).
 DEFAULT_CONTEXT_STRATEGY = "ring"
 
