@@ -286,7 +286,71 @@ def format_markdown(results: Mapping[str, Any], command: str) -> str:
             f"  Greedy pass@1 minus the warm start's pass@{k}: {reach}; target "
             f"{'met' if t['reach_target_met'] else 'NOT met'}.",
         ]
+    lines += _diagnostics_markdown(results.get("diagnostics", {}))
     return "\n".join(lines) + "\n"
+
+
+def _diagnostics_markdown(diagnostics: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Training-prompt success at the start and end of each RL arm, mean over seeds."""
+    rows = []
+    for arm, by_seed in diagnostics.items():
+        runs = [d for d in by_seed.values() if d]
+        if not runs:
+            continue
+        domains = sorted({dom for d in runs for dom in d["first"]["success"]})
+        for dom in domains:
+            cells = []
+            for part in ("first", "last"):
+                values = [d[part]["success"].get(dom) for d in runs]
+                cells.append(_cell(_mean_se(values)))
+            rows.append(f"| {arm} | {dom} | {cells[0]} | {cells[1]} |")
+        kl = [_cell(_mean_se([d[p]["kl"] for d in runs])) for p in ("first", "last")]
+        ent = [_cell(_mean_se([d[p]["entropy"] for d in runs])) for p in ("first", "last")]
+        rows.append(f"| {arm} | KL to reference | {kl[0]} | {kl[1]} |")
+        rows.append(f"| {arm} | policy entropy | {ent[0]} | {ent[1]} |")
+    if not rows:
+        return []
+    return [
+        "", "## What RL did on its training prompts", "",
+        "Sampled success on the prompts each PPO step trained on (rollout temperature), "
+        "mean over the first and the last fifth of the steps; mean ± standard error over "
+        "seeds.", "",
+        "| arm | domain | first fifth | last fifth |", "|---|---|---|---|", *rows,
+    ]  # fmt: skip
+
+
+def rl_diagnostics(workdir: str, fraction: float = 0.2) -> dict[str, Any]:
+    """What an RL run did on its training prompts, from its ``metrics.jsonl``: per domain,
+    the mean sampled success over the first and the last ``fraction`` of its PPO steps,
+    and the mean KL to the reference and policy entropy over those steps. ``{}`` for a
+    run without a metrics file (nothing to diagnose)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        steps = [r for r in map(json.loads, f) if r.get("stage") == "ppo"]
+    if not steps:
+        return {}
+    n = max(1, int(round(len(steps) * fraction)))
+
+    def mean(rows, key):
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        values = [v for v in values if math.isfinite(v)]
+        return float(np.mean(values)) if values else None
+
+    out: dict[str, Any] = {"ppo_steps": len(steps)}
+    for name, rows in (("first", steps[:n]), ("last", steps[-n:])):
+        keys = {k for r in rows for k in r}
+        domains = sorted(
+            k.split("/")[1] for k in keys
+            if k.startswith("ppo/") and k.endswith("/success") and k.count("/") == 2
+        )  # fmt: skip
+        out[name] = {
+            "success": {d: mean(rows, f"ppo/{d}/success") for d in domains},
+            "kl": mean(rows, "ppo/kl"),
+            "entropy": mean(rows, "ppo/entropy"),
+        }
+    return out
 
 
 def run_protocol(protocol: Protocol, command: str = "") -> dict[str, Any]:
@@ -296,6 +360,10 @@ def run_protocol(protocol: Protocol, command: str = "") -> dict[str, Any]:
     _log(f"chosen on validation: learning rate {tuning['learning_rate']:g} {tuning}")
     per_seed = {s: run_seed(protocol, s, tuning["learning_rate"]) for s in protocol.seeds}
     results = {**aggregate(per_seed, protocol.k), "tuning": tuning}
+    results["diagnostics"] = {
+        arm: {str(s): rl_diagnostics(_run_dir(protocol, f"seed{s}/{arm}")) for s in protocol.seeds}
+        for arm in ("rl_uniform", "rl_curriculum")
+    }
     with open(os.path.join(protocol.workdir, "results.json"), "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2, sort_keys=True)
     with open(os.path.join(protocol.workdir, "results.md"), "w", encoding="utf-8") as f:

@@ -127,3 +127,25 @@ def test_settings_are_never_chosen_on_a_reporting_seed():
         efficacy.Protocol(config="c", workdir="w", seeds=(0, 1), tuning_seed=0)
     with pytest.raises(ValueError, match="k <= n_samples"):
         efficacy.Protocol(config="c", workdir="w", n_samples=4, k=8)
+
+
+def test_rl_diagnostics_average_the_first_and_last_fifth_of_ppo_steps(tmp_path):
+    lines = [{"step": 1, "stage": "sft", "sft/loss": 1.0}]
+    for i in range(10):  # ten PPO steps: a fifth is two
+        lines.append({
+            "step": 2 + i, "stage": "ppo", "ppo/a/success": i / 10, "ppo/b/success": 0.0,
+            "ppo/kl": float(i), "ppo/entropy": 1.0 - i / 20, "ppo/success": 9.0,
+        })  # fmt: skip
+    lines[-1]["ppo/b/success"] = float("nan")  # a step without that domain's samples
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in lines)
+    d = efficacy.rl_diagnostics(str(tmp_path))
+    assert d["ppo_steps"] == 10
+    assert d["first"]["success"] == {"a": pytest.approx(0.05), "b": 0.0}
+    assert d["last"]["success"] == {"a": pytest.approx(0.85), "b": 0.0}
+    assert d["first"]["kl"] == pytest.approx(0.5) and d["last"]["kl"] == pytest.approx(8.5)
+    assert d["last"]["entropy"] == pytest.approx(1.0 - 8.5 / 20)
+    assert efficacy.rl_diagnostics(str(tmp_path / "absent")) == {}
+    table = efficacy._diagnostics_markdown({"rl_uniform": {"0": d, "1": d, "2": {}}})
+    assert "| rl_uniform | a | 0.050 ± 0.000 | 0.850 ± 0.000 |" in table
+    assert efficacy._diagnostics_markdown({"rl_uniform": {"0": {}}}) == []
