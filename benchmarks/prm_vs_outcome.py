@@ -33,9 +33,20 @@ implicit PRM. The warm start's SFT length is to be set on the validation split
 (``--probe_sft`` prints the validation accuracy of a few lengths; see ``SETTINGS``);
 test items report.
 
-Run: ``python benchmarks/prm_vs_outcome.py --seeds=0,1,2`` (about 40 minutes a seed on a
-2-core CPU). The last line of standard output is one JSON object; logs go to standard
-error.
+Run: ``python benchmarks/prm_vs_outcome.py --seeds=0,1,2 --workdir=DIR`` (about 40 minutes
+a seed on a 2-core CPU, plus the warm start). The last line of standard output is one JSON
+object; logs go to standard error. ``--workdir`` keeps each warm start and each finished
+seed's result, so the steps can run apart and in parallel:
+
+    python benchmarks/prm_vs_outcome.py --probe_sft=500,1000,1500,2000 --workdir=DIR
+    for s in 0 1 2; do   # after setting sft_steps from the probe
+      python benchmarks/prm_vs_outcome.py --seeds=$s --shared_warm_start --workdir=DIR &
+    done; wait
+    python benchmarks/prm_vs_outcome.py --seeds=0,1,2 --shared_warm_start --workdir=DIR
+
+(the last command only reads the three results back and aggregates them).
+``--shared_warm_start`` starts every seed from seed 0's warm start, the one the probe
+kept, so seeds vary the RL runs and the PRM's data but not the SFT run.
 """
 
 from __future__ import annotations
@@ -62,6 +73,8 @@ jax.config.update(
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
+from rlpt.checkpoint import Checkpointer  # noqa: E402
+from rlpt.models import CausalLM, create_model  # noqa: E402
 from rlpt.rewards import (  # noqa: E402
     RewardConfig,
     assemble_rewards,
@@ -101,16 +114,31 @@ _PROBE_SFT = flags.DEFINE_list(
     "probe_sft", [], "Instead of the comparison: the validation accuracy of warm starts of "
     "these SFT lengths (seed 0).")  # fmt: skip
 _QUICK = flags.DEFINE_bool("quick", False, "A few steps of everything: a smoke run.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir",
+    None,
+    "Keeps warm starts (orbax checkpoints, reused by later runs with the same "
+    "setting) and each finished seed's result (seed_N.json). Default: a fresh temporary dir.",
+)
+_SHARED_WARM_START = flags.DEFINE_bool(
+    "shared_warm_start", False, "Every seed starts from seed 0's warm start (seeds then vary "
+    "the prompts, the PPO randomness and the PRM data, not the SFT run).")  # fmt: skip
 
 log = logging.getLogger("prm_vs_outcome")
 
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """What differs between the domains: level, lengths and the warm start's SFT steps."""
+    """What differs between the domains: level, lengths and the warm start's SFT steps.
+
+    The warm start's learning rate decays over ``sft_horizon`` steps and the run stops
+    after ``sft_steps`` of them (early stopping, its point chosen on validation by
+    ``--probe_sft``, which scores every candidate length in one run of that schedule).
+    """
 
     level: int
     sft_steps: int
+    sft_horizon: int
     max_new: int  # generation budget: the longest demonstration and a margin
     pad: int  # training rows (prompt and solution) fit in this many tokens
     max_seq_len: int
@@ -119,15 +147,19 @@ class Setting:
 SETTINGS = {
     # Two instructions: two steps; the first one's correctness is what the PRM adds. A warm
     # start that solves about a third, so both runs have reward signal and headroom.
-    "stepwise_math": Setting(level=2, sft_steps=300, max_new=28, pad=64, max_seq_len=96),
+    "stepwise_math": Setting(
+        level=2, sft_steps=300, sft_horizon=300, max_new=28, pad=64, max_seq_len=96
+    ),  # fmt: skip
     # 8 to 10 steps of at most 7 tokens, the answer and <eos>: 80 new tokens; the prompt
     # is at most 33. The cache holds a Math-Shepherd continuation after a long prefix (a
     # prompt bucket of 256 and 80 more); the sampler sizes its cache to what it is asked.
-    # SFT length: --probe_sft=100,200,400 gave validation accuracy (sampled) 0.002, 0.002
-    # and 0.000 (greedy 0.008 at 400; seed 0; token accuracy 0.55 at 200 steps): too sparse
-    # for either run to move. This model learns the single steps slowly; a wider model or
-    # more SFT, chosen the same way, is the next thing to try.
-    "state_tracking": Setting(level=2, sft_steps=400, max_new=80, pad=128, max_seq_len=384),
+    # SFT length: with the schedule's horizon equal to the length, 100, 200 and 400 steps
+    # gave validation accuracy (sampled) 0.002, 0.002 and 0.000 (greedy 0.008 at 400; seed
+    # 0; token accuracy 0.55 at 200 steps): too sparse for either run to move. Longer runs
+    # are probed on a 2000-step horizon (the lengths below: to be chosen on validation).
+    "state_tracking": Setting(
+        level=2, sft_steps=2000, sft_horizon=2000, max_new=80, pad=128, max_seq_len=384
+    ),  # fmt: skip
 }
 TARGET_GAIN = 0.10  # target = warm-start accuracy + this, fixed before any PPO step
 SPARSE = 0.10  # "sparse" outcome reward at the warm start: at most this test accuracy
@@ -305,15 +337,47 @@ def samples_to_reach(curve, target, offset=0):
     return None
 
 
-def warm_start(domain, tok, setting, seed, steps):
-    """``(config, graph, params)``: SFT on 3,000 training demonstrations."""
+def warm_start(domain, tok, setting, seed, steps, workdir=None, keep_at=(), on_kept=None):
+    """``(config, graph, params)``: SFT on 3,000 training demonstrations, stopped after
+    ``steps`` steps of a ``setting.sft_horizon``-step schedule.
+
+    With ``workdir`` the params after ``steps`` and each of ``keep_at`` steps are saved
+    (orbax), and a saved warm start of this setting and seed is loaded instead of
+    trained. ``on_kept(n, params)`` is called at each of them.
+    """
     config = small_config(max_seq_len=setting.max_seq_len)
+    graph, template = create_model(lambda r: CausalLM(config, rngs=r), jax.random.key(seed))
+    keep = sorted({*keep_at, steps})
+    ckpt = None
+    if workdir is not None:
+        name = f"warm_start_{domain.name}_level{setting.level}_h{setting.sft_horizon}_s{seed}"
+        ckpt = Checkpointer(os.path.join(workdir, name), keep=len(keep) + 8, async_save=False)
+        if set(keep) <= set(ckpt.all_steps()):
+            loaded = {}
+            for n in keep:
+                loaded[n] = ckpt.restore(n, {"params": template}, only=True)[0]["params"]
+                if on_kept is not None:
+                    on_kept(n, loaded[n])
+            log.info("warm start of seed %d: loaded steps %s from %s", seed, keep, ckpt.directory)
+            return config, graph, loaded[steps]
+
+    def kept(n, params):
+        if n in keep:
+            if ckpt is not None:
+                ckpt.save(
+                    n,
+                    {"params": params},
+                    {"sft_steps": n, "seed": seed, "setting": dataclasses.asdict(setting)},
+                )
+            if on_kept is not None:
+                on_kept(n, params)
+
     sft_tasks = domain.tasks("train", 3000, setting.level, seed=seed + 1)
     graph, params, metrics = train_sft(
         config, domain, sft_tasks, tok, steps=steps, batch_size=64, learning_rate=2e-3,
-        seed=seed, pad_to=setting.pad,
+        seed=seed, pad_to=setting.pad, decay_steps=setting.sft_horizon, on_step=kept,
     )  # fmt: skip
-    log.info("sft (%d steps): %s", steps, metrics)
+    log.info("sft (%d of %d steps): %s", steps, setting.sft_horizon, metrics)
     return config, graph, params
 
 
@@ -367,10 +431,11 @@ def math_shepherd_prm(domain, tok, setting, budget, seed, config, sampler, sft_p
     return (prm_graph, prm_params), label_samples, auc
 
 
-def run_seed(domain, tok, setting, budget, seed, kinds) -> dict:
-    """Every arm of one seed from its own warm start."""
+def run_seed(domain, tok, setting, budget, seed, kinds, workdir, warm_seed) -> dict:
+    """Every arm of one seed from the warm start of ``warm_seed``."""
     t0 = time.time()
-    config, graph, sft_params = warm_start(domain, tok, setting, seed, setting.sft_steps)
+    config, graph, sft_params = warm_start(domain, tok, setting, warm_seed, setting.sft_steps,
+                                           workdir)  # fmt: skip
     train_tasks = domain.tasks("train", budget.ppo_steps * budget.prompts_per_step,
                                setting.level, seed=seed + 2)  # fmt: skip
     eval_tasks = domain.tasks("test", budget.eval_tasks, setting.level, seed=seed)
@@ -384,7 +449,8 @@ def run_seed(domain, tok, setting, budget, seed, kinds) -> dict:
     outcome_curve = ppo_run("outcome", *common)
     n_out = samples_to_reach(outcome_curve, target)
     result = {
-        "seed": seed, "warm_start_accuracy": sft_acc, "warm_start_greedy_accuracy": sft_greedy,
+        "seed": seed, "warm_start_seed": warm_seed, "warm_start_accuracy": sft_acc,
+        "warm_start_greedy_accuracy": sft_greedy,
         "target_accuracy": target, "samples_to_target_outcome": n_out,
         "outcome_curve": outcome_curve,
     }  # fmt: skip
@@ -442,16 +508,24 @@ def summarise(per_seed: list[dict], kinds) -> dict:
     return out
 
 
-def probe(domain, tok, setting, lengths) -> dict:
-    """Validation accuracy (sampled, greedy) of warm starts of several SFT lengths."""
+def probe(domain, tok, setting, lengths, workdir) -> dict:
+    """Validation accuracy (sampled, greedy) of the warm start stopped after each of
+    ``lengths`` steps: one SFT run (seed 0) on the setting's schedule, scored as it goes."""
+    if max(lengths) > setting.sft_horizon:
+        raise ValueError(f"--probe_sft: {max(lengths)} steps exceed the schedule's horizon "
+                         f"({setting.sft_horizon})")  # fmt: skip
     tasks = domain.tasks("validation", EVAL_TASKS, setting.level, seed=0)
+    config = small_config(max_seq_len=setting.max_seq_len)
+    graph, _ = create_model(lambda r: CausalLM(config, rngs=r), jax.random.key(0))
+    sampler = Sampler(graph, config, eos_id=tok.eos_id, pad_id=tok.pad_id)
     found = {}
-    for steps in lengths:
-        config, graph, params = warm_start(domain, tok, setting, 0, steps)
-        sampler = Sampler(graph, config, eos_id=tok.eos_id, pad_id=tok.pad_id)
-        found[steps] = evaluate(sampler, params, tasks, domain, tok, setting.max_new)
-        log.info("probe: %d SFT steps -> validation (sampled, greedy) %s", steps, found[steps])
-    return {"validation_accuracy_by_sft_steps": found}
+
+    def score(n, params):
+        found[n] = evaluate(sampler, params, tasks, domain, tok, setting.max_new)
+        log.info("probe: %d SFT steps -> validation (sampled, greedy) %s", n, found[n])
+
+    warm_start(domain, tok, setting, 0, max(lengths), workdir, keep_at=lengths, on_kept=score)
+    return {"sft_horizon": setting.sft_horizon, "validation_accuracy_by_sft_steps": found}
 
 
 def main(argv) -> dict:
@@ -461,19 +535,32 @@ def main(argv) -> dict:
     tok = ByteTokenizer()
     domain = get_domain(_DOMAIN.value)
     setting = SETTINGS[_DOMAIN.value]
+    workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="prm_vs_outcome-")
     if _PROBE_SFT.value:
-        result = probe(domain, tok, setting, [int(v) for v in _PROBE_SFT.value])
+        result = probe(domain, tok, setting, [int(v) for v in _PROBE_SFT.value], workdir)
     else:
         kinds = list(_PROCESS.value)
         unknown = set(kinds) - {"math_shepherd", "implicit"}
         if unknown:
             raise ValueError(f"--process: unknown kinds {sorted(unknown)}")
         if _QUICK.value:
-            budget, setting = Budget.quick(), dataclasses.replace(setting, sft_steps=2)
+            budget = Budget.quick()
+            setting = dataclasses.replace(setting, sft_steps=2, sft_horizon=2)
         else:
             budget = Budget()
-        per_seed = [run_seed(domain, tok, setting, budget, int(s), kinds)
-                    for s in _SEEDS.value]  # fmt: skip
+        per_seed = []
+        for s in (int(v) for v in _SEEDS.value):
+            # A finished seed is read back, so seeds can run as separate processes
+            # sharing --workdir and a last run over all of them aggregates.
+            path = os.path.join(workdir, f"seed_{s}{'_quick' if _QUICK.value else ''}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    per_seed.append(json.load(f))
+                continue
+            warm_seed = 0 if _SHARED_WARM_START.value else s
+            per_seed.append(run_seed(domain, tok, setting, budget, s, kinds, workdir, warm_seed))
+            with open(path, "w") as f:
+                json.dump(per_seed[-1], f)
         result = {"domain": _DOMAIN.value, "level": setting.level, **summarise(per_seed, kinds)}
     result["time/total_s"] = time.time() - t0
     print(json.dumps(result))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -86,24 +86,34 @@ def sft_examples(
 def train_sft(
     config: ModelConfig, domain, tasks: Sequence[Task], tokenizer, *, steps: int,
     batch_size: int = 64, learning_rate: float = 2e-3, seed: int = 0, params=None,
-    pad_to: int | None = None,
+    pad_to: int | None = None, decay_steps: int | None = None,
+    on_step: Callable[[int, Any], None] | None = None,
 ):  # fmt: skip
     """Supervised warm start on demonstrations: ``(graphdef, params, last metrics)``.
 
     ``domain=None`` takes each task's demonstration from its own domain (``task.domain``),
     for a warm start on several domains. Rows are padded to ``pad_to`` (default the
-    model's context)."""
+    model's context). The learning rate decays over ``decay_steps`` (default ``steps``): a
+    longer horizon stops the run early on the schedule of a longer one, so that one run
+    can be scored at several lengths. ``on_step(n, params)`` is called after the n-th step
+    (from 1); it must not keep ``params`` past the call without copying (the next step
+    donates them)."""
     from rlpt.tasks import get_domain
 
     graphdef, init = create_model(lambda r: CausalLM(config, rngs=r), jax.random.key(seed))
     demos = [(domain or get_domain(t.domain)).demonstration(t) for t in tasks]
     data = sft_examples(tokenizer, tasks, demos, pad_to or config.max_seq_len)
-    trainer = sft_trainer(_schedule(learning_rate, 20, steps), graphdef)
+    horizon = steps if decay_steps is None else decay_steps
+    if horizon < steps:
+        raise ValueError(f"decay_steps ({horizon}) must be at least steps ({steps})")
+    trainer = sft_trainer(_schedule(learning_rate, 20, horizon), graphdef)
     state = trainer.init(init if params is None else params)
     metrics: dict[str, Any] = {}
     for i, pick in enumerate(_minibatches(len(tasks), batch_size, steps, seed)):
         state, metrics = trainer.step(state, {k: v[pick] for k, v in data.items()})
         _log_every(metrics, i, "sft")
+        if on_step is not None:
+            on_step(i + 1, state.params)
     return graphdef, state.params, jax.device_get(metrics)
 
 

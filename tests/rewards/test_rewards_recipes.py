@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 from rlpt.models import CausalLM, RewardModel, create_model
 from rlpt.rewards.data import correctness_pairs
@@ -57,3 +58,30 @@ def test_multi_domain_sft_then_rm_training_learns_both_domains():
     after = float(rm_eval.evaluate(rm, batch)["loss"])
     # Measured: from 0.69 to about 0.16 (0.24x) after 60 steps.
     assert after < 0.5 * before, (before, after)
+
+
+def test_sft_stopped_early_on_a_longer_schedule_equals_that_run_at_the_same_step():
+    """``decay_steps`` sets the schedule, ``steps`` where it stops: a 3-step run on a
+    6-step schedule is the 6-step run's state after its third step (``on_step``)."""
+    tok = ByteTokenizer()
+    config = small_config(d_model=32, n_layers=1, max_seq_len=48)
+    arith = get_domain("arithmetic")
+    tasks = arith.tasks("train", 8, 1, seed=0)
+    seen = {}
+
+    def keep(n, params):
+        seen[n] = jax.tree.map(np.array, params)  # a copy: the next step donates them
+
+    train_sft(config, arith, tasks, tok, steps=6, batch_size=4, decay_steps=6, on_step=keep)
+    assert sorted(seen) == [1, 2, 3, 4, 5, 6]
+    _, stopped, _ = train_sft(config, arith, tasks, tok, steps=3, batch_size=4, decay_steps=6)
+    for a, b in zip(jax.tree.leaves(stopped), jax.tree.leaves(seen[3])):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    # Its own 3-step schedule (a shorter warmup and decay) ends elsewhere.
+    _, short, _ = train_sft(config, arith, tasks, tok, steps=3, batch_size=4)
+    assert any(
+        not np.array_equal(np.asarray(a), b)
+        for a, b in zip(jax.tree.leaves(short), jax.tree.leaves(seen[3]))
+    )
+    with pytest.raises(ValueError, match="decay_steps"):
+        train_sft(config, arith, tasks, tok, steps=3, batch_size=4, decay_steps=2)
