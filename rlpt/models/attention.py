@@ -49,6 +49,8 @@ class MaskInfo:
     mask also takes per-row slots [B, T] / [B, S], as the paged cache needs);
     ``q_positions`` [B, T], ``k_positions`` [B, S] are rotary positions; ``k_valid`` [B, S];
     ``q_segments`` [B, T] / ``k_segments`` [B, S] are None or both given.
+    ``q_blocks`` [B, K, G, T, n_blocks] (MoBA, ``moba_blocks``): None, or per query head the
+    earlier key blocks (``position // block``) it reads besides its own; the rest is masked.
     """
 
     q_slots: jax.Array
@@ -58,16 +60,19 @@ class MaskInfo:
     k_valid: jax.Array
     q_segments: jax.Array | None = None
     k_segments: jax.Array | None = None
+    q_blocks: jax.Array | None = None
     window: int = struct.field(pytree_node=False, default=0)
     sinks: int = struct.field(pytree_node=False, default=0)
+    block: int = struct.field(pytree_node=False, default=0)
 
     def slice_q(self, start, size: int) -> MaskInfo:
         """The rows of queries ``start .. start + size`` (``start`` may be traced)."""
-        seg = self.q_segments
+        seg, sel = self.q_segments, self.q_blocks
         return self.replace(
             q_slots=jax.lax.dynamic_slice_in_dim(self.q_slots, start, size, 0),
             q_positions=jax.lax.dynamic_slice_in_dim(self.q_positions, start, size, 1),
             q_segments=None if seg is None else jax.lax.dynamic_slice_in_dim(seg, start, size, 1),
+            q_blocks=None if sel is None else jax.lax.dynamic_slice_in_dim(sel, start, size, 3),
         )
 
     def slice_k(self, start, size: int) -> MaskInfo:
@@ -118,6 +123,22 @@ def visible(info: MaskInfo) -> jax.Array:
             in_window |= info.k_positions[:, None, :] < info.sinks
         allowed &= in_window
     return allowed
+
+
+def visible_per_head(info: MaskInfo) -> jax.Array:
+    """``visible(info)`` as [B, 1, 1, T, S], or with MoBA's block selection (``q_blocks``)
+    [B, K, G, T, S]: the query's own key block and the blocks it selected."""
+    allowed = visible(info)[:, None, None]
+    if info.q_blocks is None:
+        return allowed
+    n_blocks = info.q_blocks.shape[-1]
+    k_block = jnp.clip(info.k_positions // info.block, 0, n_blocks - 1)  # [B, S]
+    own = info.k_positions[:, None, :] // info.block == info.q_positions[:, :, None] // info.block
+    index = jnp.broadcast_to(
+        k_block[:, None, None, None, :], info.q_blocks.shape[:-1] + k_block.shape[-1:]
+    )
+    chosen = jnp.take_along_axis(info.q_blocks, index, axis=-1)  # [B, K, G, T, S]
+    return allowed & (own[:, None, None] | chosen)
 
 
 def _canonical_dots(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
@@ -349,13 +370,89 @@ def moba_select(
     return visible(info)[:, None, None] & ((chosen > 0) | own[:, None, None])
 
 
+def moba_blocks(
+    q: jax.Array, k: jax.Array, info: MaskInfo, *, block: int, top_k: int, max_len: int
+) -> MaskInfo:
+    """``info`` with MoBA's selection as ``q_blocks``, memory linear in the row's length.
+
+    The same choice as ``moba_select`` (its own block and the ``top_k`` earlier blocks of
+    the query's segment with the largest ``q . mean(k)``) for a row attending to itself
+    (no cache: query ``t`` is key ``t``), without [T, S] scores: each block's key sum is
+    taken once ([B, S, K, H] by ``segment_sum``) and each query scores only the blocks
+    before its own, [B, K, G, T, n_blocks] in all (T^2 / block entries, against T^2).
+
+    A block here is a maximal run of valid keys with one segment and one ``position //
+    block``; the ``n_blocks - 1`` runs before a query's own are its candidates, kept when
+    they are of its segment and an earlier block. That is every earlier block of its
+    segment when each block's keys lie together in the row, as in every row rlpt builds
+    (positions ascend within a segment and segments do not interleave).
+    """
+    b, t, kh, g, h = q.shape
+    if k.shape[1] != t:
+        raise ValueError(f"moba_blocks is for self-attention rows: {t} queries, {k.shape[1]} keys")
+    n_blocks = -(-max_len // block)
+    q = jax.lax.stop_gradient(q).astype(jnp.float32)
+    k = jax.lax.stop_gradient(k).astype(jnp.float32)
+    valid = info.k_valid
+    seg = jnp.zeros((b, t), jnp.int32) if info.k_segments is None else info.k_segments
+    key_block = info.k_positions // block  # [B, S]
+    # Run ids along the row: a valid key starts a run unless the last valid key before it
+    # has its segment and block (padding between them does not break a run).
+    last = jax.lax.cummax(jnp.where(valid, jnp.arange(t), -1), axis=1)
+    prev = jnp.concatenate([jnp.full((b, 1), -1), last[:, :-1]], axis=1)
+    prev_c = jnp.maximum(prev, 0)
+    same_as_prev = (
+        (prev >= 0)
+        & (jnp.take_along_axis(seg, prev_c, 1) == seg)
+        & (jnp.take_along_axis(key_block, prev_c, 1) == key_block)
+    )
+    starts = valid & ~same_as_prev
+    run = jnp.maximum(jnp.cumsum(starts, axis=1) - 1, 0)  # [B, S]; a query's own run
+    flat = (run + t * jnp.arange(b)[:, None]).reshape(-1)
+    w = valid.reshape(-1).astype(jnp.float32)
+    sums = jax.ops.segment_sum(k.reshape(b * t, kh, h) * w[:, None, None], flat, b * t)
+    counts = jax.ops.segment_sum(w, flat, b * t).reshape(b, t)
+    # Every key of a run has the run's segment and block: the largest is that one.
+    run_seg = jax.ops.segment_max(seg.reshape(-1), flat, b * t).reshape(b, t)
+    run_block = jax.ops.segment_max(key_block.reshape(-1), flat, b * t).reshape(b, t)
+    sums = sums.reshape(b, t, kh, h)
+    q_seg = seg if info.q_segments is None else info.q_segments
+    q_block = info.q_positions // block  # [B, T]
+
+    def candidate(d):  # the run d before each query's own: gate [B, K, G, T], its block
+        r = run - d
+        rc = jnp.maximum(r, 0)
+        ok = (r >= 0) & (jnp.take_along_axis(run_seg, rc, 1) == q_seg)
+        blk = jnp.take_along_axis(run_block, rc, 1)
+        ok &= (blk < q_block) & (jnp.take_along_axis(counts, rc, 1) > 0)
+        mean = (
+            jnp.take_along_axis(sums, rc[:, :, None, None], 1)
+            / jnp.maximum(jnp.take_along_axis(counts, rc, 1), 1.0)[:, :, None, None]
+        )  # [B, T, K, H]
+        gate = jnp.einsum("btkgh,btkh->bkgt", q, mean)
+        return jnp.where(ok[:, None, None], gate, -jnp.inf), blk
+
+    gates, blocks = jax.lax.map(candidate, jnp.arange(1, max(n_blocks, 2)))
+    gates = jnp.moveaxis(gates, 0, -1)  # [B, K, G, T, n_blocks - 1]
+    blocks = jnp.moveaxis(blocks, 0, -1)  # [B, T, n_blocks - 1]
+    top = min(top_k, gates.shape[-1])
+    values, index = jax.lax.top_k(gates, top)
+    chosen_block = jnp.take_along_axis(
+        jnp.broadcast_to(blocks[:, None, None], gates.shape), index, axis=-1
+    )
+    picked = jax.nn.one_hot(chosen_block, n_blocks, dtype=bool) & jnp.isfinite(values)[..., None]
+    return info.replace(q_blocks=picked.any(axis=-2), block=block)
+
+
 __all__ = [
     "MaskInfo",
     "dense_attention",
     "dot_product",
+    "moba_blocks",
     "moba_select",
     "resolve_kind",
     "self_attention_info",
     "splash",
     "visible",
+    "visible_per_head",
 ]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlpt.models.attention import MaskInfo, _bmm, _canonical_dots, _row_term, visible
+from rlpt.models.attention import MaskInfo, _bmm, _canonical_dots, _row_term, visible_per_head
 from rlpt.models.matmul import _physical_transpose
 
 
@@ -35,9 +35,10 @@ def _pad_to(x: jax.Array, axis: int, size: int, mode: str = "constant", value=0)
 
 def _pad_info(info: MaskInfo, tp: int, sp: int) -> MaskInfo:
     """``info`` padded to ``tp`` queries and ``sp`` keys; padded keys are invalid."""
-    seg_q, seg_k = info.q_segments, info.k_segments
+    seg_q, seg_k, sel = info.q_segments, info.k_segments, info.q_blocks
     big = jnp.iinfo(jnp.int32).max
     return info.replace(
+        q_blocks=None if sel is None else _pad_to(sel, 3, tp, "edge"),
         # Padded queries repeat the last slot so they widen no causal range.
         q_slots=_pad_to(info.q_slots, 0, tp, "edge"),
         q_positions=_pad_to(info.q_positions, 1, tp, "edge"),
@@ -110,7 +111,7 @@ def _forward_blocks(q, k, v, info: MaskInfo, bq: int, bk: int, canonical: bool =
             def update(carry):
                 acc, m, denom = carry
                 scores = tile_scores(kj)
-                scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+                scores = jnp.where(mask, scores, -jnp.inf)
                 m_new = jnp.maximum(m, scores.max(axis=-1))
                 # Rows with nothing visible yet keep max -inf; shift them by 0 instead.
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -120,7 +121,7 @@ def _forward_blocks(q, k, v, info: MaskInfo, bq: int, bk: int, canonical: bool =
                 return acc * alpha[..., None] + pv, m_new, denom * alpha + p.sum(axis=-1)
 
             # Key blocks outside the window, or of other segments, cost one mask tile only.
-            mask = visible(info.slice_q(qi * bq, bq).slice_k(kj * bk, bk))
+            mask = visible_per_head(info.slice_q(qi * bq, bq).slice_k(kj * bk, bk))
             return jax.lax.cond(mask.any(), update, lambda c: c, carry)
 
         init = (
@@ -159,7 +160,7 @@ def _backward_blocks(q, k, v, info: MaskInfo, out, lse, d_out, bq: int, bk: int)
             def update(carry):
                 dq_b, dk, dv = carry
                 scores = _scores(q, k, qi, kj, bq, bk)
-                p = jnp.where(mask[:, None, None], jnp.exp(scores - lse_b[..., None]), 0.0)
+                p = jnp.where(mask, jnp.exp(scores - lse_b[..., None]), 0.0)
                 kb = jax.lax.dynamic_slice_in_dim(k, kj * bk, bk, 1)
                 vb = jax.lax.dynamic_slice_in_dim(v, kj * bk, bk, 1)
                 dv_b = jnp.einsum(
@@ -181,7 +182,7 @@ def _backward_blocks(q, k, v, info: MaskInfo, out, lse, d_out, bq: int, bk: int)
                 )
                 return dq_b, dk, dv
 
-            mask = visible(info.slice_q(qi * bq, bq).slice_k(kj * bk, bk))
+            mask = visible_per_head(info.slice_q(qi * bq, bq).slice_k(kj * bk, bk))
             return jax.lax.cond(mask.any(), update, lambda c: c, carry)
 
         dq_b = jnp.zeros((b, bq, kh, g, h), jnp.float32)
@@ -231,7 +232,7 @@ def _backward_blocks_canonical(q, k, v, info: MaskInfo, out, lse, d_out, bq: int
             def update(carry):
                 dq_b, dk_cols, dv_cols = carry
                 scores = _bmm(qb_rows, _block(k_cols, kj, bk, 3)).reshape(b, kh, g, bq, bk)
-                p = jnp.where(mask[:, None, None], jnp.exp(scores - lse_b[..., None]), 0.0)
+                p = jnp.where(mask, jnp.exp(scores - lse_b[..., None]), 0.0)
                 dp = _bmm(dob_rows, _block(v_cols, kj, bk, 3)).reshape(b, kh, g, bq, bk)
                 ds = (p * (dp - delta_b[..., None])).astype(dtype).reshape(b, kh, g * bq, bk)
                 p = p.astype(dtype).reshape(b, kh, g * bq, bk)
@@ -240,7 +241,7 @@ def _backward_blocks_canonical(q, k, v, info: MaskInfo, out, lse, d_out, bq: int
                 dv_cols = _add_block(dv_cols, _bmm(dob_cols, p), kj, bk, 3)
                 return dq_b, dk_cols, dv_cols
 
-            mask = visible(info.slice_q(qi * bq, bq).slice_k(kj * bk, bk))
+            mask = visible_per_head(info.slice_q(qi * bq, bq).slice_k(kj * bk, bk))
             return jax.lax.cond(mask.any(), update, lambda c: c, carry)
 
         dq_b = jnp.zeros((b, kh, g * bq, h), jnp.float32)

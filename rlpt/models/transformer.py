@@ -347,7 +347,19 @@ class Attention(nnx.Module):
         b, t, n, h = q.shape
         groups = n // cfg.n_kv_heads
         q = (q.reshape(b, t, cfg.n_kv_heads, groups, h) * (h**-0.5)).astype(dtype)
-        if kernel == "moba":
+        if (
+            kernel == "moba"
+            and layer_cache is None
+            and (attn_lib.resolve_kind(cfg.attention) == "blockwise")
+        ):
+            # Training rows: the selection and the attention over it, both memory linear.
+            info = attn_lib.moba_blocks(
+                q, k, mask, block=cfg.sparse_block, top_k=cfg.sparse_top_k,
+                max_len=cfg.max_seq_len,
+            )  # fmt: skip
+            block = cfg.attention_block
+            out = blockwise_lib.blockwise_attention(q, k, v, info, block_q=block, block_k=block)
+        elif kernel == "moba":
             allowed = attn_lib.moba_select(
                 q, k, mask, block=cfg.sparse_block, top_k=cfg.sparse_top_k,
                 max_len=cfg.max_seq_len,
