@@ -767,11 +767,6 @@ class PostTrainConfig:
         self._check_learned_rewards()
         self._check_chunked_reasoning()
         self._check_turns()
-        if self.async_rl.enabled and self.rollout.filter_groups:
-            raise ConfigError(
-                "rollout.filter_groups must be False with async_rl.enabled (groups are trained on "
-                "as they come; async_rl.priority='learnability' favours groups whose rewards vary)"
-            )
         if self.async_rl.enabled and self.reward_model.refresh_every:
             raise ConfigError(
                 "reward_model.refresh_every > 0 does not run with async_rl.enabled yet (the "

@@ -16,6 +16,17 @@ before it would exceed ``eta`` versions. ``eta = 0`` admits a batch only after t
 weights that will train on it are published, so every token of it comes from those
 weights: the synchronous algorithm, step for step.
 
+Dynamic sampling (DAPO; ``filter_groups``): a judged group whose rewards do not vary carries
+no gradient under a group-relative advantage; it is left out of the pool and frees its
+admission slot, so another prompt starts in its place (the rule counts prompts that are
+trained or in flight). Nothing is discarded unseen: the caller takes the filtered groups
+(``take_filtered``) for its curriculum statistics. Against an endless search when every
+group is uniform, only the first ``(filter_max_rounds - 1) * batch_groups`` prompts
+admitted at each engine version may be filtered; later ones are kept whatever their
+rewards. Which prompt may be filtered depends only on its place in the prompt stream, so
+``eta = 0`` still reproduces the synchronous mode, which draws its batch in rounds by the
+same rule.
+
 ``mode="sync"`` runs the same parts strictly in turn (generate the whole batch, then
 judge it, then update): the synchronous baseline with identical prompts, seeds and
 learner, so the two modes can be compared and checked against each other.
@@ -64,6 +75,9 @@ class AsyncConfig:
     reward_threads: int = 4
     in_flight: str = "continue"  # on a weight update: "continue" or "requeue"
     mode: str = "async"
+    # Dynamic sampling: groups whose rewards do not vary are left out (module doc).
+    filter_groups: bool = False
+    filter_max_rounds: int = 4
 
     def __post_init__(self):
         def at_least(name, value, low):
@@ -76,6 +90,7 @@ class AsyncConfig:
         at_least("pool_capacity_tokens", self.pool_capacity_tokens, 1)
         at_least("max_reuse", self.max_reuse, 1)
         at_least("reward_threads", self.reward_threads, 1)
+        at_least("filter_max_rounds", self.filter_max_rounds, 1)
         if self.token_budget is not None:
             at_least("token_budget", self.token_budget, 1)
         if self.max_batch_groups is not None:
@@ -127,6 +142,12 @@ class GroupReward:
 
 
 RewardFn = Callable[[Prompt, Sequence[Completion]], GroupReward]
+
+
+def rewards_vary(reward: GroupReward) -> bool:
+    """The default test of dynamic sampling: do the group's rewards differ at all?"""
+    r = np.asarray(reward.rewards)
+    return bool(r.size) and bool(np.ptp(r) > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,8 +209,12 @@ class AsyncRunner:
         *,
         seed: int = 0,
         version: int = 0,
+        varies: Callable[[GroupReward], bool] = rewards_vary,
     ):
+        """``varies``: with ``cfg.filter_groups``, whether a judged group is informative
+        (default: its rewards differ); the others are filtered out."""
         self.cfg = cfg
+        self.varies = varies
         self.engine = engine
         self.prompts = prompts
         self.reward_fn = reward_fn
@@ -200,7 +225,12 @@ class AsyncRunner:
         self.pool = ExperiencePool(
             cfg.pool_capacity_tokens, cfg.priority, cfg.alpha, cfg.beta, cfg.max_reuse, seed=seed
         )
-        self.started = version * cfg.batch_groups  # prompts admitted so far (the rule's s)
+        self.started = version * cfg.batch_groups  # prompts admitted so far
+        self.filtered = 0  # of them, left out by dynamic sampling (the rule's s: the rest)
+        # Dynamic sampling's bound: [engine version, prompts admitted at it].
+        self._admitted_count = [version, 0]
+        self._filterable: dict[int, bool] = {}  # key -> may be filtered, until judged
+        self._filtered_groups: list[Group] = []  # filtered since the last take_filtered
         self._lock = threading.Condition()
         self._inflight: dict[int, Prompt] = {}  # key -> prompt, in the engine
         self._judging: dict[int, Prompt] = {}  # key -> prompt, with the reward threads
@@ -229,6 +259,8 @@ class AsyncRunner:
             return {
                 "version": self.version,
                 "started": self.started,
+                "filtered": self.filtered,
+                "admitted_count": list(self._admitted_count),
                 "inflight": [
                     p.to_json() for p in sorted(inflight + self._requeue, key=lambda p: p.key)
                 ],
@@ -242,9 +274,38 @@ class AsyncRunner:
         self.version = int(state["version"])
         self.engine.update_weights(weights, self.version)
         self.started = int(state["started"])
+        self.filtered = int(state.get("filtered", 0))
+        self._admitted_count = [int(x) for x in state.get("admitted_count", [self.version, 0])]
         self._requeue = [Prompt.from_json(p) for p in state["inflight"]]
         self.pool.load_state_dict(state["pool"], decode_payload=Group.from_json)
         self.prompts.load_state_dict(state["prompts"])
+
+    def take_filtered(self) -> list[Group]:
+        """The groups dynamic sampling left out since the last call (for statistics)."""
+        with self._lock:
+            out, self._filtered_groups = self._filtered_groups, []
+            return out
+
+    def _count_admission(self, prompt: Prompt) -> None:
+        """Dynamic sampling's bound: may this prompt, admitted now, be filtered?"""
+        version = self.engine.version
+        if self._admitted_count[0] != version:
+            self._admitted_count = [version, 0]
+        quota = (self.cfg.filter_max_rounds - 1) * self.cfg.batch_groups
+        self._filterable[prompt.key] = self._admitted_count[1] < quota
+        self._admitted_count[1] += 1
+
+    def _filter_out(self, item: PoolItem) -> bool:
+        """Whether dynamic sampling leaves the judged ``item`` out (and then records it)."""
+        filterable = self._filterable.pop(item.key, False)
+        group = item.payload
+        if not (self.cfg.filter_groups and filterable):
+            return False
+        if self.varies(GroupReward(group.rewards, group.success, group.extra)):
+            return False
+        self.filtered += 1
+        self._filtered_groups.append(group)
+        return True
 
     # -- running -------------------------------------------------------------------------------
 
@@ -344,11 +405,14 @@ class AsyncRunner:
             prompt = self._requeue.pop(0)
             self._inflight[prompt.key] = prompt
             self._admitted_at[prompt.key] = version
+            self._count_admission(prompt)
             admitted.append(prompt)
-        while self.started < limit and not self._pending:
+        # Filtered prompts are not counted: another starts in each one's place.
+        while self.started - self.filtered < limit and not self._pending:
             prompt = self.prompts.next()
             self._inflight[prompt.key] = prompt
             self._admitted_at[prompt.key] = version
+            self._count_admission(prompt)
             self.started += 1
             admitted.append(prompt)
         return admitted
@@ -396,6 +460,10 @@ class AsyncRunner:
                 self._lock.notify_all()
                 return
             self._judging.pop(item.key, None)
+            if self._filter_out(item):
+                self._admitted_at.pop(item.key, None)
+                self._lock.notify_all()
+                return
             self._pending.append(dataclasses.replace(item, added_at=self.version))
             self._retry_pending()
             self._lock.notify_all()
@@ -452,6 +520,7 @@ class AsyncRunner:
             "async/groups": len(draw.items), "async/tokens": draw.num_tokens,
             "async/due": draw.due, "async/learner_wait_s": wait_s, "time/step_s": step_s,
             "async/pool_groups": len(self.pool), "async/version": self.version,
+            "async/filtered_total": self.filtered,
             "async/prompt_keys": sorted(int(k) for k in draw.keys),
         })  # fmt: skip
         return out
@@ -459,20 +528,32 @@ class AsyncRunner:
     def _sync_step(self) -> dict:
         """Generate the whole batch, then judge it, then update: strictly in turn."""
         t0 = time.perf_counter()
-        with self._lock:
-            prompts = self._requeue[: self.cfg.batch_groups]
-            del self._requeue[: len(prompts)]
-            fresh = self.cfg.batch_groups - len(prompts)
-            prompts += [self.prompts.next() for _ in range(fresh)]
-            self.started += fresh
-        done = self.engine.generate([self._request(p) for p in prompts])
-        t_generated = time.perf_counter()
+        generate_s = 0.0
+        kept, all_prompts = 0, []
         by_key: dict[int, list[Completion]] = {}
-        for c in done:
-            by_key.setdefault(c.request_id, []).append(c)
-        items = list(self._executor.map(lambda p: self._judge(p, by_key[p.key]), prompts))
-        for item in items:
-            self.pool.add(dataclasses.replace(item, added_at=self.version))
+        # One round without dynamic sampling; with it, rounds until the batch is full.
+        while kept < self.cfg.batch_groups:
+            with self._lock:
+                need = self.cfg.batch_groups - kept
+                prompts = self._requeue[:need]
+                del self._requeue[: len(prompts)]
+                fresh = need - len(prompts)
+                prompts += [self.prompts.next() for _ in range(fresh)]
+                self.started += fresh
+                for p in prompts:
+                    self._count_admission(p)
+            t_round = time.perf_counter()
+            done = self.engine.generate([self._request(p) for p in prompts])
+            generate_s += time.perf_counter() - t_round
+            for c in done:
+                by_key.setdefault(c.request_id, []).append(c)
+            items = list(self._executor.map(lambda p: self._judge(p, by_key[p.key]), prompts))
+            for item in items:
+                if not self._filter_out(item):
+                    self.pool.add(dataclasses.replace(item, added_at=self.version))
+                    kept += 1
+            all_prompts += prompts
+        prompts = all_prompts
         draw = self._draw()
         t_wait = time.perf_counter() - t0
         params, metrics = self.learner(draw, self.version)
@@ -481,7 +562,7 @@ class AsyncRunner:
         # Phase times and lengths (prompt by prompt, sample by sample): what the timeline
         # simulator's calibration fits (rlpt.asyncrl.simulator.PhaseTiming).
         out.update({
-            "time/generate_s": t_generated - t0, "time/reward_s": t0 + t_wait - t_generated,
+            "time/generate_s": generate_s, "time/reward_s": t_wait - generate_s,
             "time/update_s": out["time/step_s"] - t_wait,
             "async/response_lengths": [
                 len(c.tokens) for p in prompts

@@ -114,6 +114,7 @@ class AsyncPPOStage:
             reward_threads=a.reward_threads, in_flight=a.in_flight, mode=a.mode,
             token_budget=a.token_budget or None,
             max_batch_groups=config.learner_groups if a.token_budget else None,
+            filter_groups=r.filter_groups, filter_max_rounds=r.filter_max_rounds,
         )  # fmt: skip
         # Every learner batch is laid out with this many groups (see _learn).
         self.learner_groups = config.learner_groups
@@ -174,6 +175,36 @@ class AsyncPPOStage:
             rewards=v.rewards, success=v.success,
             extra={"weight": v.weight.tolist(), "valid": v.valid.tolist()},
         )  # fmt: skip
+
+    @staticmethod
+    def _varies(reward: GroupReward) -> bool:
+        """Dynamic sampling's test, as the synchronous stage's: valid rewards that differ."""
+        valid = np.asarray(reward.extra["valid"]) > 0
+        rewards = np.asarray(reward.rewards)[valid]
+        return rewards.size > 1 and bool(np.ptp(rewards) > 0)
+
+    def _with_filtered(self, feedback: Feedback, groups: list[Group]) -> Feedback:
+        """``feedback`` and the groups dynamic sampling left out (zero advantage): the
+        curriculum hears of every valid sample, trained or not."""
+        if not groups:
+            return feedback
+        domain = np.concatenate([np.full(len(g.tokens), g.prompt.domain) for g in groups])
+        valid = np.concatenate([np.asarray(g.extra["valid"], np.float32) for g in groups]) > 0
+        difficulty = np.concatenate(
+            [np.full(len(g.tokens), g.prompt.info["difficulty"]) for g in groups]
+        )
+
+        def cat(mine, theirs):
+            return np.concatenate([np.asarray(mine), np.asarray(theirs)[valid]])
+
+        return dataclasses.replace(
+            feedback,
+            domain_index=cat(feedback.domain_index, domain).astype(np.int32),
+            success=cat(feedback.success, np.concatenate([g.success for g in groups])),
+            reward=cat(feedback.reward, np.concatenate([g.rewards for g in groups])),
+            abs_advantage=cat(feedback.abs_advantage, np.zeros(valid.size)),
+            difficulty=cat(feedback.difficulty, difficulty).astype(np.int32),
+        )
 
     def _learn(self, draw, version: int):
         order = sorted(range(len(draw.items)), key=lambda i: draw.items[i].key)
@@ -252,7 +283,7 @@ class AsyncPPOStage:
                 max_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature,
                 stop_ids=(self.tokenizer.eos_id,),
             ),
-            seed=c.seed, version=ctx.stage_step,
+            seed=c.seed, version=ctx.stage_step, varies=self._varies,
         )  # fmt: skip
         state = ctx.meta.get(ASYNC_STATE)
         if state is not None and int(state["version"]) == ctx.stage_step:
@@ -263,7 +294,9 @@ class AsyncPPOStage:
 
         def on_step(version: int, metrics: dict) -> bool:
             with runner.paused():  # the actor leaves the loader and the pool alone meanwhile
-                self.loader.update(self._feedback)
+                filtered = runner.take_filtered()
+                metrics = {**metrics, "ppo/filtered_groups": len(filtered)}
+                self.loader.update(self._with_filtered(self._feedback, filtered))
                 last, m = self._after_step(ctx, runner, metrics, t_last, total)
             progress.update({k: m[k] for k in ("ppo/success",) if k in m})
             if ctx.should_stop(last):

@@ -43,7 +43,18 @@ def even_reward(prompt, completions):
     return GroupReward(rewards=rewards, success=(rewards > 0.5).astype(np.float32))
 
 
-def _runner(eta, mode="async", batch_groups=2, group_size=2, state=None):
+VARIED: dict[int, bool] = {}  # prompt key -> did its group's rewards vary
+
+
+def majority_even_reward(prompt, completions):
+    """1 when most of a completion's tokens are even: groups are often all 0 or all 1."""
+    success = np.array([float(np.mean(c.tokens % 2 == 0) > 0.5) if len(c.tokens) else 0.0
+                        for c in completions])  # fmt: skip
+    VARIED[prompt.key] = bool(np.ptp(success) > 0)
+    return GroupReward(rewards=success, success=success)
+
+
+def _runner(eta, mode="async", batch_groups=2, group_size=2, state=None, **cfg_overrides):
     devices = jax.devices()
     actor_mesh, learner_mesh = make_mesh(devices=devices[:4]), make_mesh(devices=devices[4:])
     graph, params = create_model(lambda r: CausalLM(CFG, rngs=r), jax.random.key(0))
@@ -65,9 +76,10 @@ def _runner(eta, mode="async", batch_groups=2, group_size=2, state=None):
         return learner(draw, version)
 
     cfg = AsyncConfig(max_staleness=eta, batch_groups=batch_groups, group_size=group_size,
-                      mode=mode, reward_threads=2)  # fmt: skip
+                      mode=mode, reward_threads=2, **cfg_overrides)  # fmt: skip
+    reward = majority_even_reward if cfg.filter_groups else even_reward
     runner = AsyncRunner(
-        cfg, engine, CountingPrompts(), even_reward, learn, RequestParams(max_tokens=MAX_TOKENS),
+        cfg, engine, CountingPrompts(), reward, learn, RequestParams(max_tokens=MAX_TOKENS),
         seed=3,
     )  # fmt: skip
     if state is not None:
@@ -116,6 +128,45 @@ def test_staleness_is_bounded_and_no_prompt_is_lost_across_a_resume(eta):
     assert len(set(everything)) == len(everything)
     assert sorted(everything + _held_keys(final)) == list(range(final["started"]))
     assert set(held) <= set(consumed_after + _held_keys(final))
+
+
+def test_dynamic_sampling_at_eta_zero_is_the_synchronous_rounds():
+    """filter_groups: uniform groups are left out and other prompts start in their place,
+    at most (filter_max_rounds - 1) x batch_groups of them per version; at eta = 0 the same
+    prompts are trained, filtered and kept as in the synchronous mode's rounds."""
+    runs = {}
+    for mode in ("sync", "async"):
+        runner, learner, keys = _runner(0, mode=mode, filter_groups=True, filter_max_rounds=3)
+        filtered = []
+
+        def take(version, metrics, runner=runner, filtered=filtered):
+            filtered.append(sorted(g.prompt.key for g in runner.take_filtered()))
+
+        metrics = runner.run(3, on_step=take)
+        runs[mode] = (metrics, learner, keys, filtered, runner.state_dict())
+    (sm, sl, sk, sf, ss), (am, al, ak, af, as_) = runs["sync"], runs["async"]
+    # The same prompts trained and filtered, step by step.
+    assert [m["async/prompt_keys"] for m in sm] == [m["async/prompt_keys"] for m in am]
+    assert sorted(sk) == sorted(ak) and sf == af
+    assert sum(map(len, sf)) > 0, "no group was uniform: the test shows nothing"
+    assert all(len(f) <= 2 * 2 for f in sf)  # the per-version bound
+    assert any(not VARIED[k] for m in sm for k in m["async/prompt_keys"]), "bound never bit"
+    assert not any(VARIED[k] for f in sf for k in f)
+    for step_filtered, step_metrics in zip(sf, sm):
+        # Every trained group varies unless the bound was reached at its version: more
+        # than (3 - 1) x 2 prompts admitted for it (at eta = 0, those it trains or filters).
+        trained = step_metrics["async/prompt_keys"]
+        assert all(VARIED[k] for k in trained) or len(trained) + len(step_filtered) > 4
+    assert ss["filtered"] == as_["filtered"] == sum(map(len, sf))
+    assert sorted(sk + [k for f in sf for k in f]) == list(range(ss["started"]))
+    for a, b in zip(sm, am):
+        for k, v in a.items():
+            if k.startswith("ppo/"):
+                assert b[k] == v, k
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.device_get(sl.state.policy), jax.device_get(al.state.policy),
+    )  # fmt: skip
 
 
 def test_bad_settings_name_the_field():

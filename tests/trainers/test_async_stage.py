@@ -80,8 +80,7 @@ def test_killed_and_rerun_async_run_trains_on_every_prompt_once(tmp_path):
 
 @pytest.mark.parametrize(
     "overrides, message",
-    [({"rollout.filter_groups": True}, "rollout.filter_groups"),
-     ({"rewards.reward_model": 0.5, "stages": ("sft", "rm", "ppo"),
+    [({"rewards.reward_model": 0.5, "stages": ("sft", "rm", "ppo"),
        "reward_model.refresh_every": 2}, "reward_model.refresh_every"),
      ({"async_rl.priority": "newest"}, "async_rl.priority"),
      ({"async_rl.max_staleness": -1}, "async_rl.max_staleness"),
@@ -113,6 +112,24 @@ def test_staleness_zero_reproduces_the_synchronous_run(tmp_path):
     assert len(runs["sync"]) == 5
     for a, b in zip(runs["sync"], runs["eta0"]):
         assert a == b
+
+
+def test_dynamic_sampling_in_an_async_run_trains_varying_groups_and_loses_no_prompt(tmp_path):
+    """rollout.filter_groups with async_rl: uniform groups are filtered (counted, fed to the
+    curriculum, never trained), other prompts take their places; every prompt drawn is
+    trained once, held, or filtered."""
+    workdir = str(tmp_path / "filter")
+    train.train_and_evaluate(_config(**{"rollout.filter_groups": True}), workdir)
+    lines = _ppo_lines(workdir)
+    assert len(lines) == 5
+    trained = [k for r in lines for k in r["async/prompt_keys"]]
+    assert len(trained) == len(set(trained)) == 5 * 2
+    final = latest_checkpoint_meta(workdir)["async"]
+    held = [p["key"] for p in final["inflight"]] + [i["key"] for i in final["pool"]["items"]]
+    # Filtered groups are reported at the step after they are judged: some may be pending.
+    reported = sum(r["ppo/filtered_groups"] for r in lines)
+    assert reported <= final["filtered"] == final["started"] - len(trained) - len(held)
+    assert final["filtered"] > 0, "no group was filtered: the test shows nothing"
 
 
 def test_token_budget_batches_lay_out_the_same_groups_with_filler_rows(tmp_path):
