@@ -105,8 +105,9 @@ from rlpt.supervised import TrainConfig  # noqa: E402
 from rlpt.tasks import get_domain  # noqa: E402
 from rlpt.tokenizers import ByteTokenizer, decode_response  # noqa: E402
 
-_DOMAIN = flags.DEFINE_enum("domain", "state_tracking", ["state_tracking", "stepwise_math"],
-                            "The stepwise domain.")  # fmt: skip
+_DOMAIN = flags.DEFINE_enum(
+    "domain", "state_tracking", ["state_tracking", "state_tracking/100", "stepwise_math"],
+    "The stepwise domain.")  # fmt: skip
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; each trains its own warm start.")
 _PROCESS = flags.DEFINE_list("process", ["math_shepherd", "implicit"],
                              "Process-reward kinds run against outcome-only PPO.")  # fmt: skip
@@ -159,6 +160,11 @@ SETTINGS = {
     # are probed on a 2000-step horizon (the lengths below: to be chosen on validation).
     "state_tracking": Setting(
         level=2, sft_steps=2000, sft_horizon=2000, max_new=80, pad=128, max_seq_len=384
+    ),  # fmt: skip
+    # Modulo 100: 8 to 10 steps, the answer and <eos> in at most 54 tokens, after a prompt
+    # of at most 29. SFT length probed on a 1000-step horizon.
+    "state_tracking/100": Setting(
+        level=2, sft_steps=1000, sft_horizon=1000, max_new=64, pad=96, max_seq_len=320
     ),  # fmt: skip
 }
 TARGET_GAIN = 0.10  # target = warm-start accuracy + this, fixed before any PPO step
@@ -350,7 +356,7 @@ def warm_start(domain, tok, setting, seed, steps, workdir=None, keep_at=(), on_k
     keep = sorted({*keep_at, steps})
     ckpt = None
     if workdir is not None:
-        name = f"warm_start_{domain.name}_level{setting.level}_h{setting.sft_horizon}_s{seed}"
+        name = f"warm_start_{domain.name.replace('/', '_')}_level{setting.level}_h{setting.sft_horizon}_s{seed}"
         ckpt = Checkpointer(os.path.join(workdir, name), keep=len(keep) + 8, async_save=False)
         if set(keep) <= set(ckpt.all_steps()):
             loaded = {}

@@ -16,6 +16,11 @@ the start value (1000), the increment (1..999) and the count (at least 2 values)
 Drawing the count from a range also means the model must read where to stop from the
 prompt rather than learn one length per level. ``check_steps`` labels each step against the
 reference path, for process rewards.
+
+``StateTrackingDomain(modulus=M)`` (registered name ``state_tracking/M``) works modulo M
+instead: ``state_tracking/100`` makes each step a two-digit addition, which a small model
+learns far sooner, so the chain's length alone makes the answer hard (at M = 100 a level
+holds about 2 x 10^4 prompts).
 """
 
 from __future__ import annotations
@@ -49,11 +54,11 @@ LEVEL_STEPS = {
 _STEP_RE = re.compile(r"\s*(\d+)\s*:\s*(-?\d+)\s*")
 
 
-def iterate(start: int, add: int, steps: int) -> list[int]:
-    """The states ``x_0 = start``, ``x_{i+1} = (x_i + add) % 1000``, ``steps + 1`` of them."""
+def iterate(start: int, add: int, steps: int, modulus: int = MODULUS) -> list[int]:
+    """The states ``x_0 = start``, ``x_{i+1} = (x_i + add) % modulus``, ``steps + 1`` of them."""
     values = [start]
     for _ in range(steps):
-        values.append((values[-1] + add) % MODULUS)
+        values.append((values[-1] + add) % modulus)
     return values
 
 
@@ -70,12 +75,25 @@ class StateTrackingDomain(AnswerDomain):
     max_difficulty = max(LEVEL_STEPS)
     needs_sandbox = False
 
+    def __init__(self, modulus: int | str = MODULUS):
+        try:
+            self.modulus = int(modulus)
+        except ValueError:
+            raise ValueError(
+                f"state_tracking: modulus must be an integer, got {modulus!r}"
+            ) from None
+        if self.modulus < 10:
+            raise ValueError(f"state_tracking: modulus must be at least 10, got {self.modulus}")
+        if self.modulus != MODULUS:
+            self.name = f"state_tracking/{self.modulus}"
+
     def _sample(self, rng: random.Random, difficulty: int) -> Problem:
+        m = self.modulus
         steps = rng.randint(*LEVEL_STEPS[difficulty])
-        start, add = rng.randrange(MODULUS), rng.randint(1, MODULUS - 1)
-        values = iterate(start, add, steps)
+        start, add = rng.randrange(m), rng.randint(1, m - 1)
+        values = iterate(start, add, steps, m)
         return Problem(
-            prompt=f"x={start}; x=(x+{add})%{MODULUS}; {steps} times",
+            prompt=f"x={start}; x=(x+{add})%{m}; {steps} times",
             answer=str(values[-1]),
             data={
                 "start": start, "add": add, "steps": steps,
@@ -83,10 +101,9 @@ class StateTrackingDomain(AnswerDomain):
             },
         )  # fmt: skip
 
-    @staticmethod
-    def _values(task: Task) -> list[int]:
+    def _values(self, task: Task) -> list[int]:
         d = task.data
-        return iterate(int(d["start"]), int(d["add"]), int(d["steps"]))
+        return iterate(int(d["start"]), int(d["add"]), int(d["steps"]), self.modulus)
 
     def demonstration(self, task: Task) -> str:
         values = self._values(task)
@@ -109,7 +126,7 @@ class StateTrackingDomain(AnswerDomain):
         """``completion`` with one step's state made wrong and the error carried on.
 
         A step that parses, among the first ``steps``, is picked at random; its state is
-        shifted by a nonzero amount modulo 1000, and the later steps (up to the iteration
+        shifted by a nonzero amount modulo the modulus, and the later steps (up to the iteration
         count) and the answer are recomputed from the wrong state, as a model that slipped
         once would write them: every later state is off by the same shift. ``rng`` is a
         ``random.Random`` or ``numpy.random.Generator``.
@@ -122,10 +139,11 @@ class StateTrackingDomain(AnswerDomain):
             raise ValueError(f"no step of {completion!r} can be corrupted")
         i = candidates[randint_inclusive(rng, 0, len(candidates) - 1)]
         count, value = parsed[i]
-        value = (value + randint_inclusive(rng, 1, MODULUS - 1)) % MODULUS
+        m = self.modulus
+        value = (value + randint_inclusive(rng, 1, m - 1)) % m
         new_steps = steps[:i] + [f"{count}:{value}"]
         for later in range(count + 1, n + 1):
-            value = (value + add) % MODULUS
+            value = (value + add) % m
             new_steps.append(f"{later}:{value}")
         return STEP.join(new_steps) + ANSWER + str(value)
 

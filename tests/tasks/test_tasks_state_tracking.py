@@ -128,3 +128,26 @@ def test_problem_space_is_large_and_split_by_prompt():
     assert {t.prompt for t in heldout}.isdisjoint(t.prompt for t in train)
     # 2000 draws from ~5.6M train prompts (7 counts at level 3) repeat about 0.36 times.
     assert len({t.prompt for t in train}) >= len(train) - 3
+
+
+def test_another_modulus_hand_worked_and_by_name():
+    """state_tracking/100: two-digit states. x=47; +58 mod 100: 5, 63, 21."""
+    domain = get_domain("state_tracking/100")
+    assert isinstance(domain, StateTrackingDomain) and domain.name == "state_tracking/100"
+    task = Task(
+        "s", domain.name, "x=47; x=(x+58)%100; 3 times", 1, "21",
+        {"start": 47, "add": 58, "steps": 3, "answer_format": "number"},
+    )  # fmt: skip
+    assert domain.demonstration(task) == "1:5<step>2:63<step>3:21<answer>21"
+    assert domain.check_steps(task, "1:5<step>2:63<step>3:121<answer>121") == [True, True, False]
+    wrong = domain.corrupt_step(task, domain.demonstration(task), random.Random(0))
+    assert not domain.verify(task, wrong).correct
+    assert all(0 <= parse_step(s)[1] < 100 for s in wrong.split("<answer>")[0].split("<step>"))
+    for t in domain.tasks("train", 20, 2, seed=0):
+        assert "%100;" in t.prompt and t.domain == "state_tracking/100"
+        assert domain.verify(t, domain.demonstration(t)).correct
+        assert get_domain(t.domain).demonstration(t) == domain.demonstration(t)
+    with pytest.raises(ValueError, match="modulus"):
+        StateTrackingDomain(modulus=5)
+    with pytest.raises(ValueError, match="modulus"):
+        get_domain("state_tracking/ten")
