@@ -356,7 +356,8 @@ def warm_start(domain, tok, setting, seed, steps, workdir=None, keep_at=(), on_k
     keep = sorted({*keep_at, steps})
     ckpt = None
     if workdir is not None:
-        name = f"warm_start_{domain.name.replace('/', '_')}_level{setting.level}_h{setting.sft_horizon}_s{seed}"
+        tag = domain.name.replace("/", "_")
+        name = f"warm_start_{tag}_level{setting.level}_h{setting.sft_horizon}_s{seed}"
         ckpt = Checkpointer(os.path.join(workdir, name), keep=len(keep) + 8, async_save=False)
         if set(keep) <= set(ckpt.all_steps()):
             loaded = {}
