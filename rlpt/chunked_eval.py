@@ -96,7 +96,7 @@ def evaluate_chunked(
                         steps = int(task.data.get("steps", 0)) or 1
                         labels = domain.check_steps(task, text)
                         prefix.append(_leading_correct(labels) / steps)
-                    if name == "state_tracking":
+                    if name.split("/")[0] == "state_tracking":  # any modulus
                         parsed = [parse_step(x) for x in split_steps(text)][: task.data["steps"]]
                         ok = sum(p is not None and p[0] == i for i, p in enumerate(parsed, 1))
                         counters.append(ok / task.data["steps"])
