@@ -20,6 +20,11 @@ tokens, 5 to 9 windows, and a level-6 one (256 to 320) about 2000 to 2500.
 (``rlpt.sft.encode_chunked_example``); a short ``ppo`` stage with chunk rows sharing
 their trace's advantage follows. Per-level and per-chunk-size accuracy of the result:
 ``python -m rlpt.chunked_eval --workdir=/tmp/rlpt_long``.
+
+``experiments/long_reasoning.py:mod100`` runs the same on ``state_tracking/100`` (each step a
+two-digit addition, which the mini model learns; the three-digit one it does not, see the
+results below): a level-4 trace (64 to 80 additions) is 370 to 470 tokens, a level-5 one
+725 to 1000, 3 to 8 windows of 128.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from rlpt.config import default_config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    """Returns the long-reasoning config; ``arg="runlocal"`` shrinks it to a smoke run."""
+    """Returns the long-reasoning config; ``arg="runlocal"`` shrinks it to a smoke run,
+    ``arg="mod100"`` trains on ``state_tracking/100``."""
     config = default_config("post_train")
     config.stages = ("sft", "ppo")
     config.model.preset = "mini"
@@ -90,8 +96,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     if arg == "runlocal":
         shrink_for_runlocal(config)
+    elif arg == "mod100":
+        config.domains = ("state_tracking/100",)
     elif arg:
-        raise ValueError(f"unknown config argument {arg!r}; expected 'runlocal' or nothing")
+        raise ValueError(
+            f"unknown config argument {arg!r}; expected 'runlocal', 'mod100' or nothing"
+        )
     return config
 
 
