@@ -156,15 +156,19 @@ SETTINGS = {
     # prompt bucket of 256 and 80 more); the sampler sizes its cache to what it is asked.
     # SFT length: with the schedule's horizon equal to the length, 100, 200 and 400 steps
     # gave validation accuracy (sampled) 0.002, 0.002 and 0.000 (greedy 0.008 at 400; seed
-    # 0; token accuracy 0.55 at 200 steps): too sparse for either run to move. Longer runs
-    # are probed on a 2000-step horizon (the lengths below: to be chosen on validation).
+    # 0; token accuracy 0.55 at 200 steps): too sparse for either run to move. On a
+    # 2000-step horizon, 500 and 1000 steps gave 0.000 and 0.004 (greedy 0.000 both; token
+    # accuracy 0.79 at 1100 steps; the probe was stopped there): the three-digit additions
+    # come too slowly for this machine's budget, hence the modulo-100 variant below.
     "state_tracking": Setting(
         level=2, sft_steps=2000, sft_horizon=2000, max_new=80, pad=128, max_seq_len=384
     ),  # fmt: skip
     # Modulo 100: 8 to 10 steps, the answer and <eos> in at most 54 tokens, after a prompt
-    # of at most 29. SFT length probed on a 1000-step horizon.
+    # of at most 29. SFT length, the first probed one whose validation accuracy (sampled)
+    # reaches 3%, on a 1000-step horizon: --probe_sft=250,500,750,1000 gave 0.020 (greedy
+    # 0.031) at 250 and 0.037 (greedy 0.023) at 500 (seed 0; stopped there).
     "state_tracking/100": Setting(
-        level=2, sft_steps=1000, sft_horizon=1000, max_new=64, pad=96, max_seq_len=320
+        level=2, sft_steps=500, sft_horizon=1000, max_new=64, pad=96, max_seq_len=320
     ),  # fmt: skip
 }
 TARGET_GAIN = 0.10  # target = warm-start accuracy + this, fixed before any PPO step
