@@ -412,9 +412,12 @@ def moba_blocks(
     w = valid.reshape(-1).astype(jnp.float32)
     sums = jax.ops.segment_sum(k.reshape(b * t, kh, h) * w[:, None, None], flat, b * t)
     counts = jax.ops.segment_sum(w, flat, b * t).reshape(b, t)
-    # Every key of a run has the run's segment and block: the largest is that one.
-    run_seg = jax.ops.segment_max(seg.reshape(-1), flat, b * t).reshape(b, t)
-    run_block = jax.ops.segment_max(key_block.reshape(-1), flat, b * t).reshape(b, t)
+    # Every valid key of a run has the run's segment and block (padding, which joins the
+    # run before it, is kept out: its positions may be anything).
+    lowest = jnp.iinfo(jnp.int32).min
+    run_seg = jax.ops.segment_max(jnp.where(valid, seg, lowest).reshape(-1), flat, b * t)
+    run_block = jax.ops.segment_max(jnp.where(valid, key_block, lowest).reshape(-1), flat, b * t)
+    run_seg, run_block = run_seg.reshape(b, t), run_block.reshape(b, t)
     sums = sums.reshape(b, t, kh, h)
     q_seg = seg if info.q_segments is None else info.q_segments
     q_block = info.q_positions // block  # [B, T]

@@ -380,6 +380,24 @@ def test_memory_linear_moba_selects_as_the_numpy_loop(case):
     np.testing.assert_allclose(out[seen], ref[seen], atol=2e-5, rtol=2e-5)
 
 
+def test_memory_linear_moba_ignores_where_padding_says_it_is():
+    """Padding inside a row whose positions run on (as a caller may lay it out) joins the
+    run of keys before it; it must not move that run's block."""
+    rng = np.random.default_rng(11)
+    t = 40
+    q = jnp.asarray(rng.normal(size=(B, t, K, G, H)).astype(np.float32) * H**-0.5)
+    k = jnp.asarray(rng.normal(size=(B, t, K, H)).astype(np.float32))
+    valid = np.ones((B, t), bool)
+    valid[0, 10:14] = False  # a hole after block 2's keys 8, 9, positions 10-13 (block 3)
+    valid[1, 30:] = False
+    info = A.self_attention_info(jnp.broadcast_to(jnp.arange(t), (B, t)), jnp.asarray(valid))
+    sparse = A.moba_blocks(q, k, info, block=4, top_k=2, max_len=64)
+    want = np.asarray(A.moba_select(q, k, info, block=4, top_k=2, max_len=64))
+    got = np.asarray(A.visible_per_head(sparse))
+    rows = np.broadcast_to(valid[:, None, None, :, None], got.shape)
+    np.testing.assert_array_equal(got[rows], want[rows])
+
+
 def test_memory_linear_moba_gradients_equal_the_dense_masks():
     (q, k, v, info), _ = _case("packed", t=40, seed=5)
     weights = np.random.default_rng(6).normal(size=q.shape).astype(np.float32)
