@@ -22,8 +22,8 @@ their trace's advantage follows. Per-level and per-chunk-size accuracy of the re
 ``python -m rlpt.chunked_eval --workdir=/tmp/rlpt_long``.
 
 ``experiments/long_reasoning.py:mod100`` runs the same on ``state_tracking/100`` (each step a
-two-digit addition, which the mini model learns; the three-digit one it does not, see the
-results below): a level-4 trace (64 to 80 additions) is 370 to 470 tokens, a level-5 one
+two-digit addition, which a small model learns far sooner than the three-digit one, which
+the mini model had not learnt in this config's budget): a level-4 trace (64 to 80 additions) is 370 to 470 tokens, a level-5 one
 725 to 1000, 3 to 8 windows of 128.
 """
 
