@@ -21,10 +21,10 @@ tokens, 5 to 9 windows, and a level-6 one (256 to 320) about 2000 to 2500.
 their trace's advantage follows. Per-level and per-chunk-size accuracy of the result:
 ``python -m rlpt.chunked_eval --workdir=/tmp/rlpt_long``.
 
-``experiments/long_reasoning.py:mod100`` runs the same on ``state_tracking/100`` (each step a
-two-digit addition, which a small model learns far sooner than the three-digit one, which
-the mini model had not learnt in this config's budget): a level-4 trace (64 to 80 additions) is 370 to 470 tokens, a level-5 one
-725 to 1000, 3 to 8 windows of 128.
+``experiments/long_reasoning.py:mod100`` runs the same on ``state_tracking/100``: each step a
+two-digit addition, which a small model learns far sooner than the three-digit one (the
+mini model had not learnt that in this config's budget). A level-4 trace (64 to 80
+additions) is 370 to 470 tokens, a level-5 one 725 to 1000: 3 to 8 windows of 128.
 """
 
 from __future__ import annotations
