@@ -121,6 +121,9 @@ _WORKDIR = flags.DEFINE_string(
     "Keeps warm starts (orbax checkpoints, reused by later runs with the same "
     "setting) and each finished seed's result (seed_N.json). Default: a fresh temporary dir.",
 )
+_PLOT = flags.DEFINE_string(
+    "plot", "", "Write a PNG of test accuracy against samples (mean over seeds) here."
+)
 _SHARED_WARM_START = flags.DEFINE_bool(
     "shared_warm_start", False, "Every seed starts from seed 0's warm start (seeds then vary "
     "the prompts, the PPO randomness and the PRM data, not the SFT run).")  # fmt: skip
@@ -520,6 +523,37 @@ def summarise(per_seed: list[dict], kinds) -> dict:
     return out
 
 
+def plot(per_seed: list[dict], kinds, path: str) -> None:
+    """Test accuracy (sampled) against samples, each arm's mean over seeds with its
+    standard error as a band; label samples are on the Math-Shepherd arm's axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [("outcome", "outcome only")]
+    for kind in kinds:
+        key = "prm" if kind == "math_shepherd" else "implicit"
+        arms.append((key, {"prm": "Math-Shepherd PRM", "implicit": "implicit PRM (online)"}[key]))
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for key, label in arms:
+        curves = np.asarray([[p[:2] for p in r[f"{key}_curve"]] for r in per_seed], np.float64)
+        # Sample counts agree across seeds but for the PRM's label samples: their mean.
+        x, acc = curves[:, :, 0].mean(0), curves[:, :, 1]
+        mean = acc.mean(0)
+        se = acc.std(0, ddof=1) / math.sqrt(len(acc)) if len(acc) > 1 else 0 * mean
+        ax.plot(x, mean, marker="o", markersize=3, label=label)
+        ax.fill_between(x, mean - se, mean + se, alpha=0.2)
+    target = np.mean([r["target_accuracy"] for r in per_seed])
+    ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="target (mean)")
+    ax.set_xlabel("samples (policy rollouts and PRM label samples)")
+    ax.set_ylabel("test accuracy (sampled)")
+    ax.set_title(f"{len(per_seed)} seeds, mean +- SE")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def probe(domain, tok, setting, lengths, workdir) -> dict:
     """Validation accuracy (sampled, greedy) of the warm start stopped after each of
     ``lengths`` steps: one SFT run (seed 0) on the setting's schedule, scored as it goes."""
@@ -574,6 +608,8 @@ def main(argv) -> dict:
             with open(path, "w") as f:
                 json.dump(per_seed[-1], f)
         result = {"domain": _DOMAIN.value, "level": setting.level, **summarise(per_seed, kinds)}
+        if _PLOT.value:
+            plot(per_seed, kinds, _PLOT.value)
     result["time/total_s"] = time.time() - t0
     print(json.dumps(result))
     return result
