@@ -114,34 +114,20 @@ def test_staleness_zero_reproduces_the_synchronous_run(tmp_path):
         assert a == b
 
 
-def test_dynamic_sampling_in_an_async_run_trains_varying_groups_and_loses_no_prompt(tmp_path):
-    """rollout.filter_groups with async_rl: uniform groups are filtered (counted, fed to the
-    curriculum, never trained), other prompts take their places; every prompt drawn is
-    trained once, held, or filtered."""
-    workdir = str(tmp_path / "filter")
-    train.train_and_evaluate(_config(**{"rollout.filter_groups": True}), workdir)
-    lines = _ppo_lines(workdir)
-    assert len(lines) == 5
-    trained = [k for r in lines for k in r["async/prompt_keys"]]
-    assert len(trained) == len(set(trained)) == 5 * 2
-    final = latest_checkpoint_meta(workdir)["async"]
-    held = [p["key"] for p in final["inflight"]] + [i["key"] for i in final["pool"]["items"]]
-    # Filtered groups are reported at the step after they are judged: some may be pending.
-    reported = sum(r["ppo/filtered_groups"] for r in lines)
-    assert reported <= final["filtered"] == final["started"] - len(trained) - len(held)
-    assert final["filtered"] > 0, "no group was filtered: the test shows nothing"
-
-
-def test_token_budget_batches_lay_out_the_same_groups_with_filler_rows(tmp_path):
+def test_token_budget_batches_and_dynamic_sampling_lose_no_prompt(tmp_path):
     """async_rl.token_budget: a batch takes the base count of groups (2 here), then more
     while the budget allows (here none: a budget of one token), and the learner sees
     async_rl.max_batch_groups groups every step, the missing ones as rows of zero weight:
-    every step trains, on each prompt once, with finite metrics."""
-    config = parse_config(_config(**{"async_rl.token_budget": 1, "async_rl.max_batch_groups": 3}))
+    every step trains, on each prompt once, with finite metrics. With rollout.filter_groups
+    in the same run (one run for both, to spare the suite's time): uniform groups are
+    filtered (counted, never trained) and other prompts take their places, so every prompt
+    drawn is trained once, held, or filtered."""
+    overrides = {"async_rl.token_budget": 1, "async_rl.max_batch_groups": 3,
+                 "rollout.filter_groups": True}  # fmt: skip
+    config = parse_config(_config(**overrides))
     assert config.learner_groups == 3 and config.ppo.num_groups == 3
     workdir = str(tmp_path / "budget")
-    train.train_and_evaluate(_config(**{"async_rl.token_budget": 1,
-                                        "async_rl.max_batch_groups": 3}), workdir)  # fmt: skip
+    train.train_and_evaluate(_config(**overrides), workdir)
     lines = _ppo_lines(workdir)
     assert len(lines) == 5
     assert all(r["async/groups"] == 2 for r in lines)  # so each layout has filler rows
@@ -151,6 +137,12 @@ def test_token_budget_batches_lay_out_the_same_groups_with_filler_rows(tmp_path)
         assert r["ppo/mismatch_kl"] >= 0
         for key in ("ppo/loss", "ppo/kl", "ppo/success"):
             assert key in r and r[key] == r[key], (key, r.get(key))  # present, not NaN
+    final = latest_checkpoint_meta(workdir)["async"]
+    held = [p["key"] for p in final["inflight"]] + [i["key"] for i in final["pool"]["items"]]
+    # Filtered groups are reported at the step after they are judged: some may be pending.
+    reported = sum(r["ppo/filtered_groups"] for r in lines)
+    assert reported <= final["filtered"] == final["started"] - len(trained) - len(held)
+    assert final["filtered"] > 0, "no group was filtered: the test shows nothing"
 
 
 def test_learned_process_rewards_reach_the_asynchronous_learner(tmp_path):
