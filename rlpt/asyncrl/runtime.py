@@ -49,6 +49,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from rlpt.asyncrl.pool import PRIORITIES, Draw, ExperiencePool, PoolItem, staleness_histogram
+from rlpt.rl.advantages import group_varies
 from rlpt.sampling.engine import Completion, Engine, Request, RequestParams
 
 MODES = ("async", "sync")
@@ -144,10 +145,11 @@ class GroupReward:
 RewardFn = Callable[[Prompt, Sequence[Completion]], GroupReward]
 
 
-def rewards_vary(reward: GroupReward) -> bool:
-    """The default test of dynamic sampling: do the group's rewards differ at all?"""
-    r = np.asarray(reward.rewards)
-    return bool(r.size) and bool(np.ptp(r) > 0)
+def rewards_vary(reward: GroupReward, valid=None) -> bool:
+    """The test of dynamic sampling (``group_varies`` for one group): do the group's
+    ``valid`` rewards (default: all) differ at all?"""
+    rewards = np.asarray(reward.rewards)
+    return bool(group_varies(rewards, np.zeros(rewards.shape, int), num_groups=1, valid=valid)[0])
 
 
 @dataclasses.dataclass(frozen=True)

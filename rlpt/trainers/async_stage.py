@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlpt.asyncrl import AsyncConfig, AsyncRunner, Group, GroupReward, Prompt
+from rlpt.asyncrl.runtime import rewards_vary
 from rlpt.data import CurriculumLoader, Feedback
 from rlpt.parallel.multihost import to_host
 from rlpt.roles import PPOLearner, RewardRole, Trajectories
@@ -179,9 +180,7 @@ class AsyncPPOStage:
     @staticmethod
     def _varies(reward: GroupReward) -> bool:
         """Dynamic sampling's test, as the synchronous stage's: valid rewards that differ."""
-        valid = np.asarray(reward.extra["valid"]) > 0
-        rewards = np.asarray(reward.rewards)[valid]
-        return rewards.size > 1 and bool(np.ptp(rewards) > 0)
+        return rewards_vary(reward, valid=reward.extra["valid"])
 
     def _with_filtered(self, feedback: Feedback, groups: list[Group]) -> Feedback:
         """``feedback`` and the groups dynamic sampling left out (zero advantage): the
