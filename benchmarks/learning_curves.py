@@ -27,32 +27,50 @@ import sys
 from collections import defaultdict
 
 
-def _run_curve(workdir: str) -> tuple[dict[int, dict[str, float]], int]:
-    """({samples: {domain: pass@1}}, samples per PPO step) of one run."""
-    with open(os.path.join(workdir, "config.json")) as f:
-        per_step = int(json.load(f)["rollout"]["batch_size"])
-    points: dict[int, dict[str, float]] = {}
-    first_ppo_step = None
+def _eval_scores(d: dict) -> dict[str, float]:
+    """The greedy held-out ``eval/DOMAIN/pass@1`` values of one metrics line."""
+    return {
+        k.split("/")[1]: v
+        for k, v in d.items()
+        if k.startswith("eval/") and k.endswith("/pass@1") and k.count("/") == 2
+    }
+
+
+def _metrics(workdir: str) -> list[dict]:
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        lines = [json.loads(line) for line in f if line.strip()]
-    ppo_steps = sorted(d["step"] for d in lines if d.get("stage") == "ppo")
-    if ppo_steps:
-        first_ppo_step = ppo_steps[0]
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _run_curve(workdir: str) -> tuple[dict[int, dict[str, float]], int]:
+    """({samples: {domain: pass@1}}, samples per PPO step) of one run.
+
+    Samples are those generated: a PPO step that drew several rounds of prompts to fill
+    its update with varying groups (``ppo/rollout_rounds``) counts every round. The SFT
+    stage's evaluation is the point at 0 samples; a run with no SFT stage that started
+    from ``model.init_from`` takes its warm-start run's last SFT evaluation instead.
+    """
+    with open(os.path.join(workdir, "config.json")) as f:
+        config = json.load(f)
+    per_step = int(config["rollout"]["batch_size"])
+    lines = _metrics(workdir)
+    points: dict[int, dict[str, float]] = {}
+    warm = config.get("model", {}).get("init_from") or ""
+    if warm and not any(d.get("stage") == "sft" for d in lines):
+        sft_evals = [s for s in map(_eval_scores, _metrics(warm)) if s]
+        if sft_evals:
+            points[0] = sft_evals[-1]
+    generated = 0
     for d in lines:
-        scores = {
-            k.split("/")[1]: v
-            for k, v in d.items()
-            if k.startswith("eval/") and k.endswith("/pass@1") and k.count("/") == 2
-        }
+        # One line per PPO step carries its rollout metrics (an evaluation shares it).
+        if d.get("stage") == "ppo" and "ppo/loss" in d:
+            generated += per_step * int(d.get("ppo/rollout_rounds", 1))
+        scores = _eval_scores(d)
         if not scores:
             continue
-        if d.get("stage") == "ppo" and first_ppo_step is not None:
-            done = d["step"] - first_ppo_step + 1
+        if d.get("stage") == "ppo":
+            points[generated] = scores
         elif d.get("stage") == "sft":
-            done = 0
-        else:
-            continue
-        points[done * per_step] = scores
+            points[0] = scores
     return points, per_step
 
 

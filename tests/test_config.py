@@ -27,7 +27,14 @@ ARGS = {
         for arm in ("sft", "rl_uniform", "rl_curriculum", "sft_more")
         for suffix in ("", ",runlocal")
     ],
-    "curriculum_mix.py": ["learned", "uniform", "learned,runlocal", "uniform,runlocal"],
+    "curriculum_mix.py": [
+        "warm",
+        "learned",
+        "uniform",
+        "warm,runlocal",
+        "learned,runlocal",
+        "uniform,runlocal",
+    ],
 }
 
 

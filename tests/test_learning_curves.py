@@ -1,0 +1,69 @@
+"""``benchmarks/learning_curves.py``: samples counted as generated, warm starts, targets."""
+
+import importlib.util
+import json
+import os
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load():
+    path = os.path.join(REPO_ROOT, "benchmarks", "learning_curves.py")
+    spec = importlib.util.spec_from_file_location("benchmarks_learning_curves", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_run(path, lines, batch_size=8, init_from=""):
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"rollout": {"batch_size": batch_size}, "model": {"init_from": init_from}}, f)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+    return str(path)
+
+
+def _ppo(step, rounds, **scores):
+    line = {"stage": "ppo", "step": step, "ppo/loss": 0.0, "ppo/rollout_rounds": rounds}
+    line.update({f"eval/{d}/pass@1": v for d, v in scores.items()})
+    return line
+
+
+def test_samples_count_every_round_and_the_warm_start_is_the_first_point(tmp_path, capsys):
+    lc = _load()
+    warm = _write_run(
+        tmp_path / "warm",
+        [{"stage": "sft", "step": 5, "eval/a/pass@1": 0.1, "eval/b/pass@1": 0.2}],
+    )
+    # Rounds 2, 1, 3, 1 at 8 samples a round: 16, 24, 48, 56 samples generated.
+    uniform = _write_run(
+        tmp_path / "uniform",
+        [_ppo(0, 2), _ppo(1, 1, a=0.3, b=0.2), _ppo(2, 3), _ppo(3, 1, a=0.5, b=0.4)],
+        init_from=warm,
+    )
+    learned = _write_run(
+        tmp_path / "learned",
+        [_ppo(0, 1), _ppo(1, 2, a=0.5, b=0.45), _ppo(2, 1), _ppo(3, 1, a=0.6, b=0.5)],
+        init_from=warm,
+    )
+    curve, per_step = lc._run_curve(uniform)
+    assert per_step == 8
+    assert curve == {0: {"a": 0.1, "b": 0.2}, 24: {"a": 0.3, "b": 0.2}, 56: {"a": 0.5, "b": 0.4}}
+    lc.main([f"uniform={uniform}", f"learned={learned}", "--target=a:0.45,b:0.4"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # uniform reaches both targets at 56 samples, learned at 8 + 16 = 24.
+    assert report["uniform"]["samples_to_target"] == [56]
+    assert report["learned"]["samples_to_target"] == [24]
+    assert abs(report["learned"]["samples_ratio_vs_uniform"]["mean"] - round(24 / 56, 4)) < 1e-9
+
+
+def test_a_run_with_its_own_sft_stage_ignores_init_from(tmp_path):
+    lc = _load()
+    run = _write_run(
+        tmp_path / "run",
+        [{"stage": "sft", "step": 3, "eval/a/pass@1": 0.25}, {"stage": "ppo", "step": 4,
+          "ppo/loss": 0.0, "eval/a/pass@1": 0.5}],
+    )  # fmt: skip
+    assert lc._run_curve(run)[0] == {0: {"a": 0.25}, 8: {"a": 0.5}}
