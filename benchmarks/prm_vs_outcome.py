@@ -124,6 +124,10 @@ _WORKDIR = flags.DEFINE_string(
 _PLOT = flags.DEFINE_string(
     "plot", "", "Write a PNG of test accuracy against samples (mean over seeds) here."
 )
+_TUNE_LR = flags.DEFINE_list(
+    "tune_lr", [], "Instead of the comparison: outcome-only PPO from seed 0's warm start at "
+    "each of these learning rates, on tuning seed TUNE_SEED's prompts, scored on validation "
+    "(tune_lr_RATE.json in --workdir, so rates can run as parallel processes).")  # fmt: skip
 _SHARED_WARM_START = flags.DEFINE_bool(
     "shared_warm_start", False, "Every seed starts from seed 0's warm start (seeds then vary "
     "the prompts, the PPO randomness and the PRM data, not the SFT run).")  # fmt: skip
@@ -146,6 +150,8 @@ class Setting:
     max_new: int  # generation budget: the longest demonstration and a margin
     pad: int  # training rows (prompt and solution) fit in this many tokens
     max_seq_len: int
+    # Every arm's PPO learning rate; ``--tune_lr`` scores candidates on validation.
+    ppo_learning_rate: float = 1e-4
 
 
 SETTINGS = {
@@ -180,7 +186,6 @@ SPARSE = 0.10  # "sparse" outcome reward at the warm start: at most this test ac
 # Measured on outcome-only stepwise_math runs: 16 prompts x 4 samples a step (with or
 # without a small KL) left held-out accuracy flat or lower after 48 steps; 32 x 8 moves it.
 PPO_STEPS = 48
-PPO_LEARNING_RATE = 1e-4
 PPO_EPOCHS = 1
 KL_COEF = 0.0
 PROMPTS_PER_STEP = 32
@@ -277,7 +282,7 @@ def ppo_run(name, graph, sft_params, config, domain, tok, setting, budget, train
     # warm-started policy feels as a large KL: a warmup keeps it near the reference.
     cfg = PPOConfig(
         estimator="grpo", step_advantages=process is not None, kl_placement="loss",
-        epochs=PPO_EPOCHS, num_minibatches=2, learning_rate=PPO_LEARNING_RATE,
+        epochs=PPO_EPOCHS, num_minibatches=2, learning_rate=setting.ppo_learning_rate,
         schedule="warmup_cosine", warmup_steps=min(10, budget.ppo_steps),
         total_steps=budget.ppo_steps * 2 * PPO_EPOCHS, end_lr_fraction=0.3, kl_coef=KL_COEF,
         num_groups=budget.prompts_per_step, whiten_advantages=False,
@@ -574,6 +579,36 @@ def probe(domain, tok, setting, lengths, workdir) -> dict:
     return {"sft_horizon": setting.sft_horizon, "validation_accuracy_by_sft_steps": found}
 
 
+TUNE_SEED = 100  # the learning-rate tuning's prompts and PPO randomness; reports use 0, 1, 2
+
+
+def tune_learning_rate(domain, tok, setting, budget, rates, workdir) -> dict:
+    """Outcome-only PPO at each learning rate from seed 0's warm start, on the tuning
+    seed's training prompts, scored on the validation split (never on test)."""
+    config, graph, sft_params = warm_start(domain, tok, setting, 0, setting.sft_steps, workdir)
+    train_tasks = domain.tasks("train", budget.ppo_steps * budget.prompts_per_step,
+                               setting.level, seed=TUNE_SEED + 2)  # fmt: skip
+    eval_tasks = domain.tasks("validation", budget.eval_tasks, setting.level, seed=TUNE_SEED)
+    found = {}
+    for rate in rates:
+        path = os.path.join(workdir, f"tune_lr_{rate:g}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                found[f"{rate:g}"] = json.load(f)
+            continue
+        tuned = dataclasses.replace(setting, ppo_learning_rate=rate)
+        curve = ppo_run(f"outcome lr {rate:g}", graph, sft_params, config, domain, tok, tuned,
+                        budget, train_tasks, eval_tasks, TUNE_SEED)  # fmt: skip
+        found[f"{rate:g}"] = {
+            "validation_curve": curve,
+            "final_minus_warm_start": curve[-1][1] - curve[0][1],
+            "best_minus_warm_start": max(a for _, a, _ in curve) - curve[0][1],
+        }
+        with open(path, "w") as f:
+            json.dump(found[f"{rate:g}"], f)
+    return {"ppo_steps": budget.ppo_steps, "validation_by_learning_rate": found}
+
+
 def main(argv) -> dict:
     del argv
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -584,6 +619,12 @@ def main(argv) -> dict:
     workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="prm_vs_outcome-")
     if _PROBE_SFT.value:
         result = probe(domain, tok, setting, [int(v) for v in _PROBE_SFT.value], workdir)
+    elif _TUNE_LR.value:
+        rates = [float(v) for v in _TUNE_LR.value]
+        budget = Budget.quick() if _QUICK.value else Budget()
+        if _QUICK.value:
+            setting = dataclasses.replace(setting, sft_steps=2, sft_horizon=2)
+        result = tune_learning_rate(domain, tok, setting, budget, rates, workdir)
     else:
         kinds = list(_PROCESS.value)
         unknown = set(kinds) - {"math_shepherd", "implicit"}
