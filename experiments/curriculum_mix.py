@@ -11,9 +11,11 @@ mixing. The config argument picks the arm (append ``,runlocal`` for a smoke run)
     nice python -m rlpt.train --config=experiments/curriculum_mix.py:warm \\
         --workdir=runs/mix_warm_s0 --config.seed=0
     nice python -m rlpt.train --config=experiments/curriculum_mix.py:learned \\
-        --workdir=runs/mix_learned_s0 --config.seed=0 --config.model.init_from=runs/mix_warm_s0
+        --workdir=runs/mix_learned_s0 --config.seed=0 \\
+        --config.model.init_from=runs/mix_warm_s0 --config.stages="('ppo',)"
     nice python -m rlpt.train --config=experiments/curriculum_mix.py:uniform \\
-        --workdir=runs/mix_uniform_s0 --config.seed=0 --config.model.init_from=runs/mix_warm_s0
+        --workdir=runs/mix_uniform_s0 --config.seed=0 \\
+        --config.model.init_from=runs/mix_warm_s0 --config.stages="('ppo',)"
     python benchmarks/learning_curves.py uniform=runs/mix_uniform_s0,... \\
         learned=runs/mix_learned_s0,... --target=arithmetic:T1,stepwise_math:T2
 
@@ -21,8 +23,9 @@ mixing. The config argument picks the arm (append ``,runlocal`` for a smoke run)
 both learnable domains reached their targets, the learned arm's ratio to uniform's
 (paired by seed; the issue's bar is 0.7) and each arm's mean sampling weight per domain;
 a run started from ``model.init_from`` takes its warm start's last evaluation as its
-point at 0 samples. Without ``model.init_from`` an RL arm runs its own SFT stage first
-(the same fixed rule, so the same warm start for a seed).
+point at 0 samples. ``model.init_from`` alone keeps the arm's SFT stage, which would
+then continue training the warm start: the RL arms name ``stages`` too. Without either
+flag an RL arm runs its own SFT stage first (the warm arm's fixed rule) and then PPO.
 
 Evaluation during training is greedy, on the validation half of the held-out partition.
 """
