@@ -1,0 +1,307 @@
+"""The rollout engine in another JAX process: roles on disjoint hosts, one JAX program.
+
+In a multi-controller JAX program (``jax.distributed``; one process per host) the roles
+take disjoint processes: process 0, the driver, runs ``AsyncRunner`` and the learner on its
+own devices; an actor process holds the rollout engine on a mesh over its devices.
+``ProcessEngine`` is the engine's interface in the driver (``submit``, ``step``,
+``has_work``, ``update_weights``, ``abort``, ``generate``, ``version``, ``stats``) and
+``serve_engine`` runs in the actor process, calling its ``Engine`` as the driver asks.
+Nothing else changes: the runner's admission, staleness bound, pool and learner are the
+same with a local, a Ray or a process engine.
+
+The schedule is decided in the driver alone: an asynchronous schedule follows timing
+(when a reward finishes, when the learner publishes), which differs from process to
+process, so no other process decides anything; the actor replays the driver's engine
+calls in order.
+
+What travels how:
+- calls and their answers (prompt ids, sampled ids, per-token log-probs and versions) are
+  host data: ordered messages through ``jax.distributed``'s key-value store (``Channel``;
+  the coordinator relays them, so no other connection is needed);
+- weights move device to device with JAX's cross-host transfers: driver and actor call
+  ``jax.device_put`` at the same point of the call sequence, from a whole copy on as many
+  of the driver's devices as the actor has to a whole copy on the actor's devices (JAX
+  copies shard for shard between device lists of one size), and the actor keeps each of
+  its devices' slices for the engine's shardings. ``enable_cross_host_transfers`` before
+  ``jax.distributed.initialize`` gives each process the address these transfers use.
+
+Launch: the same program on every process; process 0 builds the learner on
+``jax.local_devices()`` and ``ProcessEngine(1)``; process 1 builds the ``Engine`` on
+``actor_mesh(1)`` and calls ``serve_engine`` (``tests/asyncrl/multiprocess_engine.py`` is
+a complete example). Limits: one actor process and the learner in the driver's process;
+an engine mesh over several actor processes is refused (``serve_engine``): such an engine,
+given the same calls in each process, stalled inside its programs' collectives on CPU.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rlpt.parallel import make_mesh
+from rlpt.sampling.engine import Completion, Engine, EngineStats, Request
+
+DRIVER = 0
+# A wait for a message is retried every POLL_MS, so an idle actor waits as long as the
+# driver needs (a driver that dies takes the job down through jax.distributed's heartbeats).
+POLL_MS = 60_000
+
+
+def enable_cross_host_transfers(address: str) -> None:
+    """Lets this process send and receive device arrays to and from other processes
+    (``jax.device_put`` between shardings on different processes' devices). ``address``:
+    ``host:port`` where this process listens, reachable by the others. Call it before
+    ``jax.distributed.initialize``."""
+    jax.config.update("jax_cross_host_transfer_socket_address", address)
+
+
+def _client():
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("the process engine needs jax.distributed.initialize() first")
+    return client
+
+
+class Channel:
+    """Ordered messages from one process to one other through ``jax.distributed``'s
+    key-value store. Each message is deleted once read, so the store holds only the
+    messages in transit. Both ends are this program's own processes, which is why plain
+    pickle carries the values (requests, completions: dataclasses of numpy arrays)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.sent = 0
+        self.received = 0
+
+    def _key(self, n: int) -> str:
+        return f"rlpt/{self.name}/{n}"
+
+    def send(self, value: Any) -> None:
+        _client().key_value_set_bytes(self._key(self.sent), pickle.dumps(value))
+        self.sent += 1
+
+    def recv(self) -> Any:
+        client, key = _client(), self._key(self.received)
+        while True:
+            try:
+                data = client.blocking_key_value_get_bytes(key, POLL_MS)
+                break
+            except jax.errors.JaxRuntimeError as e:  # the store's timeout: wait on
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+        client.key_value_delete(key)
+        self.received += 1
+        return pickle.loads(data)
+
+
+def actor_mesh(actor_process: int = 1, **mesh_kwargs) -> Mesh:
+    """A mesh over every device of ``actor_process`` (the engine's devices)."""
+    devices = _local_devices_of(int(actor_process))
+    if not devices:
+        raise ValueError(f"no devices belong to process {actor_process}")
+    return make_mesh(devices=devices, **mesh_kwargs)
+
+
+def _commands(process: int) -> Channel:
+    return Channel(f"engine/commands/{process}")
+
+
+def _answers() -> Channel:
+    return Channel("engine/answers")
+
+
+def _acks(process: int) -> Channel:
+    return Channel(f"engine/acks/{process}")
+
+
+def _local_devices_of(process: int) -> list:
+    return sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
+
+
+def _transfer_target(process: int) -> NamedSharding:
+    """A whole copy on every device of ``process``."""
+    return NamedSharding(Mesh(np.array(_local_devices_of(process)), ("copy",)), PartitionSpec())
+
+
+def _transfer_source(process: int) -> NamedSharding:
+    """A whole copy on as many of the driver's devices as ``process`` has."""
+    need = len(_local_devices_of(process))
+    driver = _local_devices_of(DRIVER)
+    if len(driver) < need:
+        raise ValueError(
+            f"process {process} has {need} devices, the driver only {len(driver)}: weights "
+            "cross processes between device lists of one size"
+        )
+    return NamedSharding(Mesh(np.array(driver[:need]), ("copy",)), PartitionSpec())
+
+
+def _reshard_local(copy: jax.Array, target: NamedSharding) -> jax.Array:
+    """The engine's array from a whole copy on each of this process's devices: each device
+    keeps its own slice of the copy it already holds (no transfer)."""
+    on_device = {shard.device: shard.data for shard in copy.addressable_shards}
+    pieces = [
+        on_device[device][index]
+        for device, index in target.addressable_devices_indices_map(copy.shape).items()
+    ]
+    return jax.make_array_from_single_device_arrays(copy.shape, target, pieces)
+
+
+class ProcessEngine:
+    """The engine of ``serve_engine`` in another process, driven from the driver (module doc)."""
+
+    def __init__(self, actor_process: int = 1):
+        """Waits for ``serve_engine`` to start in ``actor_process`` and takes the engine's
+        version and parameter count from it."""
+        if jax.process_index() != DRIVER:
+            raise ValueError(f"a ProcessEngine is driven from process {DRIVER}")
+        if not 0 < int(actor_process) < jax.process_count():
+            raise ValueError(
+                f"actor_process must be one of processes 1..{jax.process_count() - 1}, "
+                f"got {actor_process}"
+            )
+        actors = [int(actor_process)]
+        self.actors = actors
+        self._commands = [_commands(p) for p in actors]
+        self._answers = _answers()
+        self._acks = [_acks(p) for p in actors]
+        kind, (version, num_leaves) = self._answers.recv()
+        self.version = int(version)
+        self._num_leaves = int(num_leaves)
+        self._stats = EngineStats()
+
+    def _send(self, *command) -> None:
+        for channel in self._commands:
+            channel.send(command)
+
+    def _ask(self, *command):
+        self._send(*command)
+        kind, value = self._answers.recv()
+        if kind == "error":
+            raise RuntimeError(f"the engine in process {self.actors[0]} failed: {value}")
+        return value
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        # Validated by the engine in the actors; a bad request's error comes back here.
+        self._ask("submit", list(requests))
+
+    def step(self) -> list[Completion]:
+        done, self._stats = self._ask("step")
+        return done
+
+    def has_work(self) -> bool:
+        return self._ask("has_work")
+
+    def update_weights(self, state, version: int, *, in_flight: str = "continue") -> None:
+        leaves = jax.tree.leaves(state)
+        if len(leaves) != self._num_leaves:
+            raise ValueError(
+                f"update_weights: {len(leaves)} arrays, the engine's parameters have "
+                f"{self._num_leaves}"
+            )
+        shapes = [(tuple(x.shape), np.dtype(x.dtype).str) for x in leaves]
+        self._send("update_weights", shapes, int(version), in_flight)
+        for process in self.actors:
+            # Each actor process receives a whole copy (JAX copies shard for shard between
+            # device lists of one size, one process to one process): first gathered onto
+            # as many of the driver's devices as it has, then sent.
+            source = _transfer_source(process)
+            copies = jax.device_put(leaves, [source] * len(leaves))
+            jax.device_put(copies, [_transfer_target(process)] * len(leaves))
+        for acks in self._acks:  # every actor process has its copy in place
+            kind, value = acks.recv()
+            if kind == "error":
+                raise RuntimeError(f"update_weights failed in an actor process: {value}")
+        self.version = int(version)
+
+    def abort(self, request_id: Hashable, *, requeue: bool = False) -> None:
+        self._ask("abort", request_id, requeue)
+
+    def generate(self, requests: Iterable[Request]) -> list[Completion]:
+        return self._ask("generate", list(requests))
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def close(self) -> None:
+        """Ends every actor's ``serve_engine``."""
+        self._send("close")
+
+
+def serve_engine(engine: Engine) -> int:
+    """Runs ``engine`` (on the actors' mesh) for the driver's ``ProcessEngine`` until it
+    closes; returns the number of calls served. Every actor process calls this."""
+    me = jax.process_index()
+    commands = _commands(me)
+    answers = _answers()
+    if engine.mesh is None:
+        raise ValueError("serve_engine needs an engine on the actor's mesh (actor_mesh)")
+    if {d.process_index for d in engine.mesh.devices.flat} != {me}:
+        # An engine mesh over several processes runs collectives between them; in tests on
+        # CPU (gloo) such an engine, given the same calls in each process, stalled inside
+        # its programs, so one actor process (all of one host's devices) is what is tested.
+        raise ValueError(
+            f"serve_engine: the engine's mesh must hold this process's devices only "
+            f"(process {me}); got devices of processes "
+            f"{sorted({d.process_index for d in engine.mesh.devices.flat})}"
+        )
+    served = 0
+    leaves, treedef = jax.tree.flatten(engine.state)
+    targets = [x.sharding for x in leaves]
+    acks = _acks(me)
+
+    def answer(kind, value=None):
+        answers.send((kind, value))
+
+    answer("hello", (engine.version, len(targets)))
+
+    while True:
+        command, *args = commands.recv()
+        served += 1
+        if command == "close":
+            return served
+        try:
+            if command == "update_weights":
+                shapes, version, in_flight = args
+                try:
+                    # The driver holds the source shards: placeholders stand in for them.
+                    source = _transfer_source(me)
+                    placeholders = [
+                        jax.make_array_from_single_device_arrays(
+                            shape, source, [], dtype=np.dtype(dtype)
+                        )
+                        for shape, dtype in shapes
+                    ]
+                    copies = jax.device_put(placeholders, [_transfer_target(me)] * len(shapes))
+                    moved = [_reshard_local(c, t) for c, t in zip(copies, targets, strict=True)]
+                    engine.update_weights(
+                        jax.tree.unflatten(treedef, moved), version, in_flight=in_flight
+                    )
+                except Exception as e:  # answered on this process's own channel
+                    acks.send(("error", f"{type(e).__name__}: {e}"))
+                else:
+                    acks.send(("ok", None))
+            elif command == "submit":
+                engine.submit(*args)
+                answer("ok")
+            elif command == "step":
+                answer("ok", (engine.step(), engine.stats))
+            elif command == "has_work":
+                answer("ok", engine.has_work())
+            elif command == "abort":
+                request_id, requeue = args
+                engine.abort(request_id, requeue=requeue)
+                answer("ok")
+            elif command == "generate":
+                answer("ok", engine.generate(*args))
+            else:
+                raise ValueError(f"unknown engine call {command!r}")
+        except Exception as e:  # the driver raises it; the actors stay in step
+            answer("error", f"{type(e).__name__}: {e}")
