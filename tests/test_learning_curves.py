@@ -48,9 +48,10 @@ def test_samples_count_every_round_and_the_warm_start_is_the_first_point(tmp_pat
         [_ppo(0, 1), _ppo(1, 2, a=0.5, b=0.45), _ppo(2, 1), _ppo(3, 1, a=0.6, b=0.5)],
         init_from=warm,
     )
-    curve, per_step = lc._run_curve(uniform)
-    assert per_step == 8
-    assert curve == {0: {"a": 0.1, "b": 0.2}, 24: {"a": 0.3, "b": 0.2}, 56: {"a": 0.5, "b": 0.4}}
+    curve, generated = lc._run_curve(uniform)
+    # Points line up by step (8 samples a step); the samples generated are every round's.
+    assert curve == {0: {"a": 0.1, "b": 0.2}, 16: {"a": 0.3, "b": 0.2}, 32: {"a": 0.5, "b": 0.4}}
+    assert generated == {0: 0, 16: 24, 32: 56}
     lc.main([f"uniform={uniform}", f"learned={learned}", "--target=a:0.45,b:0.4"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # uniform reaches both targets at 56 samples, learned at 8 + 16 = 24.
@@ -66,4 +67,12 @@ def test_a_run_with_its_own_sft_stage_ignores_init_from(tmp_path):
         [{"stage": "sft", "step": 3, "eval/a/pass@1": 0.25}, {"stage": "ppo", "step": 4,
           "ppo/loss": 0.0, "eval/a/pass@1": 0.5}],
     )  # fmt: skip
-    assert lc._run_curve(run)[0] == {0: {"a": 0.25}, 8: {"a": 0.5}}
+    assert lc._run_curve(run) == ({0: {"a": 0.25}, 8: {"a": 0.5}}, {0: 0, 8: 8})
+
+
+def test_a_resumed_run_counts_each_step_once(tmp_path):
+    lc = _load()
+    # Steps 0-1 logged, then the run resumed from step 0's checkpoint and logged 1-2 again.
+    lines = [_ppo(0, 2), _ppo(1, 1), _ppo(1, 3), _ppo(2, 1, a=0.5)]
+    run = _write_run(tmp_path / "run", lines)
+    assert lc._run_curve(run) == ({24: {"a": 0.5}}, {0: 0, 24: 8 * (2 + 3 + 1)})
