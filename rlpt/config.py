@@ -502,6 +502,10 @@ class DifficultySection(DifficultyConfig):
     def __post_init__(self):
         _at_least("curriculum.difficulty.start", self.start, 1)
         _at_least("curriculum.difficulty.window", self.window, 1)
+        if not 0.0 <= self.review < 1.0:
+            raise ConfigError(
+                f"curriculum.difficulty.review must be in [0, 1), got {_fmt(self.review)}"
+            )
         if not 0.0 <= self.lower < self.upper <= 1.0:
             raise ConfigError(
                 "curriculum.difficulty needs 0 <= lower < upper <= 1, got "

@@ -240,6 +240,10 @@ BAD_POST_TRAIN = [
         "curriculum.difficulty needs 0 <= lower < upper <= 1, got lower=0.9, upper=0.7",
     ),
     (
+        {"curriculum__difficulty__review": 1.0},
+        "curriculum.difficulty.review must be in [0, 1), got 1",
+    ),
+    (
         {"rewards__reward_model": 0.5},
         "rewards.reward_model is 0.5 but stages ('sft', 'ppo') has no 'rm' stage to train it",
     ),

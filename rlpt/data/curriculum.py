@@ -38,7 +38,9 @@ floor ``p_d <- floor + (1 - K floor) p_d``, so no domain starves.
 Difficulty: each domain has a level in ``1..max_level``. Feedback at the current
 level accumulates in blocks of ``window`` samples; at the end of a block the
 level rises if the block's success rate is above ``upper`` and falls if below
-``lower``.
+``lower``. With ``review`` > 0 that share of a domain's prompts comes from the
+levels below its current one (the loader draws them); their feedback is left out
+of the level control and of the mixing signal.
 
 Loss weights (``loss_weighting='lagging'``): ``w_d = clip(exp(scale (l_d - sum_j
 p_j l_j)), 1/max, max)`` with lag ``l_d = 1 - success_d``, so a lagging domain's
@@ -68,8 +70,15 @@ class DifficultyConfig:
     upper: float = 0.8
     lower: float = 0.2
     window: int = 64
+    # Share of a domain's prompts drawn from a level below its current one (uniformly
+    # over 1..level - 1): rehearsal, since training only at the top level can make the
+    # policy forget the lower ones (a 7-digit echo learnt as 9 digits once the control
+    # moved echo to level 2). These samples move neither the level nor the mixing signal.
+    review: float = 0.0
 
     def __post_init__(self):
+        if not 0.0 <= self.review < 1.0:
+            raise ValueError(f"difficulty.review must be in [0, 1), got {self.review}")
         if not 0.0 <= self.lower < self.upper <= 1.0:
             raise ValueError(
                 f"difficulty thresholds need 0 <= lower < upper <= 1, got "
@@ -370,6 +379,18 @@ class Curriculum:
                     raise ValueError(f"confidence of domain {name!r} must be in [0, 1], got {c}")
                 self.confidence[self.index(name)] = c
 
+        if cfg.difficulty.review > 0 and feedback.difficulty is not None:
+            # Review prompts (below the domain's level) are rehearsal, not a measure of
+            # where the domain stands: the signal and the levels see the others only.
+            at_level = np.asarray(feedback.difficulty, np.int64).reshape(-1) >= self.level[d]
+            d, success = d[at_level], success[at_level]
+            if feedback.abs_advantage is not None:
+                adv_all = np.asarray(feedback.abs_advantage, np.float64).reshape(-1)
+                feedback = dataclasses.replace(feedback, abs_advantage=adv_all[at_level])
+            feedback = dataclasses.replace(
+                feedback,
+                difficulty=np.asarray(feedback.difficulty, np.int64).reshape(-1)[at_level],
+            )
         count = np.bincount(d, minlength=k).astype(np.float64)
         present = count > 0
         safe = np.maximum(count, 1.0)

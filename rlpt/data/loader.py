@@ -80,9 +80,12 @@ class _Stream:
         shard_index: int,
         shard_count: int,
         workers: int,
+        second_half: bool = False,
     ):
         self.source = source
         self.level = level
+        # A procedural source's second half: items the main stream never reaches.
+        self._second_half = second_half
         self._tokenizer = tokenizer
         self._add_bos = add_bos
         self._seed = seed
@@ -94,6 +97,8 @@ class _Stream:
     def _build(self) -> grain.DatasetIterator:
         src = self.source
         ds = src.dataset(self.level)
+        if self._second_half and src.procedural:
+            ds = ds[len(ds) // 2 :]
         index, count = self._shard
         if count > 1:
             ds = ds[index::count]
@@ -228,6 +233,23 @@ class CurriculumLoader(grain.DatasetIterator):
             )
             for i, name in enumerate(self.names)
         ]
+        # Review prompts (``difficulty.review``) come from a second stream per domain, so
+        # the main stream keeps its level and position (a procedural domain's review
+        # stream reads the second half of its items, a file domain's another shuffle).
+        self._review_streams = [
+            _Stream(
+                self.sources[name],
+                level=1,
+                tokenizer=self.tokenizer,
+                add_bos=add_bos,
+                seed=stable_hash("rlpt-review", seed) % (1 << 31),
+                shard_index=shard_index,
+                shard_count=shard_count,
+                workers=0,
+                second_half=True,
+            )
+            for name in self.names
+        ]
         self.step = 0
         k = len(self.names)
         self.corrupt = np.zeros(k, np.int64)
@@ -260,8 +282,12 @@ class CurriculumLoader(grain.DatasetIterator):
 
     # -- batches -------------------------------------------------------------------------------
 
-    def _pull(self, d: int) -> dict[str, Any]:
-        stream = self._streams[d]
+    def _pull(self, d: int, review_level: int = 0) -> dict[str, Any]:
+        if review_level:
+            stream = self._review_streams[d]
+            stream.set_level(review_level)
+        else:
+            stream = self._streams[d]
         for _ in range(self.max_consecutive_skips):
             item = stream.next()
             if "error" in item:
@@ -284,8 +310,16 @@ class CurriculumLoader(grain.DatasetIterator):
         domain_index, probs = self.curriculum.sample(n_prompts, rng)
         for d in np.unique(domain_index):
             self._streams[d].set_level(int(self.curriculum.level[d]))
-        items = [self._pull(int(d)) for d in domain_index]
+        review = self.curriculum.config.difficulty.review
+        levels = self.curriculum.level[domain_index]
+        review_level = np.zeros(n_prompts, np.int64)
+        if review > 0:  # no draws otherwise, so a run without review is unchanged
+            chosen = (rng.random(n_prompts) < review) & (levels > 1)
+            lower = 1 + np.floor(rng.random(n_prompts) * (levels - 1)).astype(np.int64)
+            review_level = np.where(chosen, lower, 0)
+        items = [self._pull(int(d), int(r)) for d, r in zip(domain_index, review_level)]
         self.curriculum.record_draws(domain_index)
+        difficulty = np.where(review_level > 0, review_level, levels)
 
         g = self.group_size
         ids = [item["ids"] for item in items for _ in range(g)]
@@ -298,9 +332,7 @@ class CurriculumLoader(grain.DatasetIterator):
             mask=mask,
             loss_weight=loss_w[rows].astype(np.float32),
             domain_index=rows,
-            difficulty=np.repeat([self._streams[d].level for d in domain_index], g).astype(
-                np.int32
-            ),
+            difficulty=np.repeat(difficulty, g).astype(np.int32),
             group_id=np.repeat(np.arange(n_prompts), g).astype(np.int32),
             tasks=[item["task"] for item in items for _ in range(g)],
             step=self.step,
@@ -333,6 +365,9 @@ class CurriculumLoader(grain.DatasetIterator):
             "shard": [int(self.shard_index), int(self.shard_count)],
             "curriculum": self.curriculum.get_state(),
             "streams": {name: s.get_state() for name, s in zip(self.names, self._streams)},
+            "review_streams": {
+                name: s.get_state() for name, s in zip(self.names, self._review_streams)
+            },
             "corrupt": self.corrupt.tolist(),
             "too_long": self.too_long.tolist(),
         }
@@ -350,12 +385,16 @@ class CurriculumLoader(grain.DatasetIterator):
         self.curriculum.set_state(state["curriculum"])
         for name, stream in zip(self.names, self._streams):
             stream.set_state(state["streams"][name])
+        # States written before review existed have no review streams: they start fresh.
+        for name, stream in zip(self.names, self._review_streams):
+            if name in state.get("review_streams", {}):
+                stream.set_state(state["review_streams"][name])
         self.corrupt = np.asarray(state["corrupt"], np.int64)
         self.too_long = np.asarray(state["too_long"], np.int64)
 
     def close(self) -> None:
         # getattr: grain's __del__ calls close even when __init__ raised early.
-        for stream in getattr(self, "_streams", ()):
+        for stream in [*getattr(self, "_streams", ()), *getattr(self, "_review_streams", ())]:
             stream.close()
         super().close()
 

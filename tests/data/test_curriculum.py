@@ -148,6 +148,26 @@ def test_difficulty_moves_at_thresholds():
     assert cur.metrics()["curriculum/a/difficulty"] == 1
 
 
+def test_review_samples_move_neither_the_signal_nor_the_level():
+    cfg = CurriculumConfig(
+        strategy="uniform", success_alpha=0.5,
+        difficulty=DifficultyConfig(start=2, upper=0.75, lower=0.25, window=4, review=0.25),
+    )  # fmt: skip
+    cur = Curriculum(["a"], cfg, max_levels=[3])
+    # Level 2: four samples at the level (3 of 4 right), four review samples at level 1
+    # (all wrong). Only the first four count: success 0.75, so the level holds (0.75 is
+    # not above 0.75) and the first EMA value is their mean.
+    cur.update(Feedback([0] * 8, [1, 1, 1, 0, 0, 0, 0, 0], difficulty=[2] * 4 + [1] * 4))
+    assert cur.level.tolist() == [2]
+    assert cur.success.tolist() == [0.75]
+    assert cur.seen.tolist() == [4.0]
+    # Review samples all right, those at the level all wrong: the level falls.
+    cur.update(Feedback([0] * 8, [0] * 4 + [1] * 4, difficulty=[2] * 4 + [1] * 4))
+    assert cur.level.tolist() == [1]
+    with pytest.raises(ValueError, match="review"):
+        DifficultyConfig(review=1.0)
+
+
 def test_lagging_loss_weights():
     cfg = CurriculumConfig(strategy="uniform", floor=0.0, loss_weighting="lagging")
     cur = Curriculum(["a", "b"], cfg)

@@ -136,6 +136,39 @@ def test_exact_resume_with_a_learned_strategy_after_updates():
     assert _run(restored, 4) == expected
 
 
+REVIEW = {"strategy": "uniform", "difficulty": {"start": 3, "review": 0.5, "window": 1000}}
+
+
+def test_review_prompts_come_from_lower_levels_and_new_items():
+    loader = _loader(REVIEW, batch_size=200, group_size=1)
+    batch = next(loader)
+    review = batch.difficulty < 3
+    # Half the prompts in expectation (binomial, 200 draws: 0.35-0.65 is about 4 sd).
+    assert 0.35 < review.mean() < 0.65
+    assert set(batch.difficulty[review].tolist()) == {1, 2}
+    for task, level in zip(batch.tasks, batch.difficulty):
+        assert task.difficulty == level
+    # A review item is none of the items the main stream serves at that level.
+    main = _loader({"strategy": "uniform", "difficulty": {"start": 1}}, batch_size=200,
+                   group_size=1)  # fmt: skip
+    main_ids = {t.id for _ in range(3) for t in next(main).tasks}
+    assert not {t.id for t, lv in zip(batch.tasks, batch.difficulty) if lv == 1} & main_ids
+    # Without review every prompt is at the domain's level.
+    plain = next(_loader({"strategy": "uniform", "difficulty": {"start": 3}}, batch_size=200,
+                         group_size=1))  # fmt: skip
+    assert set(plain.difficulty.tolist()) == {3}
+
+
+def test_exact_resume_with_review_prompts():
+    reference = _loader(REVIEW)
+    _run(reference, 3)
+    state = json.loads(json.dumps(reference.get_state()))
+    expected = _run(reference, 3)
+    restored = _loader(REVIEW)
+    restored.set_state(state)
+    assert _run(restored, 3) == expected
+
+
 def test_resume_through_grain_checkpoint_handler(tmp_path):
     import grain
 
