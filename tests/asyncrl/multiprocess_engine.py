@@ -31,23 +31,18 @@ from rlpt.asyncrl.remote import (  # noqa: E402
 enable_cross_host_transfers(f"127.0.0.1:{transfer_ports[pid]}")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=count, process_id=pid)
 
-import numpy as np  # noqa: E402
 
-from rlpt.asyncrl import AsyncConfig, AsyncRunner, GroupReward, Prompt  # noqa: E402
+from rlpt.asyncrl import AsyncConfig, AsyncRunner  # noqa: E402
 from rlpt.models import CausalLM, create_model, get_preset  # noqa: E402
 from rlpt.parallel import make_mesh, state_shardings  # noqa: E402
 from rlpt.parallel.multihost import to_device  # noqa: E402
-from rlpt.sampling import Engine, Request, RequestParams  # noqa: E402
+from rlpt.sampling import Engine, RequestParams  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_helpers import CyclingPrompts, parity_reward, requests  # noqa: E402
 
 CFG = get_preset("tiny")
 graph, params = create_model(lambda r: CausalLM(CFG, rngs=r), jax.random.key(0))
-
-
-def requests(n=4, max_tokens=6):
-    return [
-        Request(i, [5 + i, 17, 40 + i], RequestParams(max_tokens=max_tokens, n=2, seed=i))
-        for i in range(n)
-    ]
 
 
 def completions(done):
@@ -56,26 +51,6 @@ def completions(done):
          "logprobs": c.logprobs.tolist(), "versions": c.versions.tolist()}
         for c in done
     ]  # fmt: skip
-
-
-class Prompts:
-    position = 0
-
-    def next(self):
-        self.position += 1
-        k = self.position - 1
-        return Prompt(k, (5 + k % 50, 9, 11), max_tokens=12 if k % 3 == 0 else 2)
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
-
-
-def reward(prompt, done):
-    r = np.array([float(len(c.tokens) % 2) for c in done])
-    return GroupReward(rewards=r, success=r)
 
 
 def drive(local, remote, learner_mesh) -> dict:
@@ -100,8 +75,8 @@ def drive(local, remote, learner_mesh) -> dict:
         return weights[-1], {}
 
     cfg = AsyncConfig(max_staleness=1, batch_groups=2, group_size=2, reward_threads=2)
-    prompts = Prompts()
-    runner = AsyncRunner(cfg, remote, prompts, reward, learn, RequestParams(max_tokens=12),
+    prompts = CyclingPrompts()
+    runner = AsyncRunner(cfg, remote, prompts, parity_reward, learn, RequestParams(max_tokens=12),
                          seed=1, version=3)  # fmt: skip
     metrics = runner.run(4)
     state = runner.state_dict()

@@ -1,13 +1,19 @@
 """The rollout engine on a Ray actor (a local ``ray.init``): the same samples as a local
 engine, and an asynchronous run driven through it keeps its staleness bound."""
 
+import os
+import sys
+
 import jax
 import numpy as np
 import pytest
 
-from rlpt.asyncrl import AsyncConfig, AsyncRunner, GroupReward, Prompt
+from rlpt.asyncrl import AsyncConfig, AsyncRunner
 from rlpt.models import CausalLM, create_model, get_preset
-from rlpt.sampling import Engine, Request, RequestParams
+from rlpt.sampling import Engine, RequestParams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_helpers import CyclingPrompts, parity_reward, requests  # noqa: E402
 
 ray = pytest.importorskip("ray", reason="RayEngine needs: pip install 'rlpt[ray]'")
 from rlpt.asyncrl.ray_engine import RayEngine  # noqa: E402
@@ -25,20 +31,13 @@ def ray_session():
         ray.shutdown()
 
 
-def _requests(n=4, max_tokens=6):
-    return [
-        Request(i, [5 + i, 17, 40 + i], RequestParams(max_tokens=max_tokens, n=2, seed=i))
-        for i in range(n)
-    ]
-
-
 def test_ray_engine_samples_what_a_local_engine_samples(ray_session):
     graph, params = create_model(lambda r: CausalLM(CFG, rngs=r), jax.random.key(0))
     local = Engine(graph, params, CFG, eos_id=2, num_slots=4)
     remote = RayEngine(graph, params, CFG, eos_id=2, num_slots=4, actor_options={"num_cpus": 0})
     try:
-        want = local.generate(_requests())
-        got = remote.generate(_requests())
+        want = local.generate(requests())
+        got = remote.generate(requests())
         assert [(c.request_id, c.index) for c in got] == [(c.request_id, c.index) for c in want]
         for a, b in zip(got, want):
             np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -46,7 +45,7 @@ def test_ray_engine_samples_what_a_local_engine_samples(ray_session):
         # New weights reach the actor with their version; every later token carries it.
         remote.update_weights(jax.tree.map(lambda x: x * 0.5, params), version=3)
         assert remote.version == 3
-        assert all((c.versions == 3).all() for c in remote.generate(_requests(n=1)))
+        assert all((c.versions == 3).all() for c in remote.generate(requests(n=1)))
     finally:
         remote.close()
 
@@ -55,32 +54,16 @@ def test_an_async_run_through_a_ray_engine_keeps_its_bound(ray_session):
     graph, params = create_model(lambda r: CausalLM(CFG, rngs=r), jax.random.key(0))
     remote = RayEngine(graph, params, CFG, eos_id=2, num_slots=8, actor_options={"num_cpus": 0})
 
-    class Prompts:
-        position = 0
-
-        def next(self):
-            self.position += 1
-            k = self.position - 1
-            return Prompt(k, (5 + k % 50, 9, 11), max_tokens=12 if k % 3 == 0 else 2)
-
-        def state_dict(self):
-            return {"position": self.position}
-
-        def load_state_dict(self, state):
-            self.position = state["position"]
-
     consumed = []
 
     def learn(draw, version):  # a stand-in learner: new weights every step
         consumed.extend(draw.keys)
         return jax.tree.map(lambda x: x * 0.99, params), {}
 
-    def reward(prompt, completions):
-        r = np.array([float(len(c.tokens) % 2) for c in completions])
-        return GroupReward(rewards=r, success=r)
-
     cfg = AsyncConfig(max_staleness=1, batch_groups=2, group_size=2, reward_threads=2)
-    runner = AsyncRunner(cfg, remote, Prompts(), reward, learn, RequestParams(max_tokens=12))
+    runner = AsyncRunner(
+        cfg, remote, CyclingPrompts(), parity_reward, learn, RequestParams(max_tokens=12)
+    )
     try:
         metrics = runner.run(4)
     finally:
