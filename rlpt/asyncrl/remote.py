@@ -36,6 +36,7 @@ given the same calls in each process, stalled inside its programs' collectives o
 from __future__ import annotations
 
 import pickle
+import threading
 from collections.abc import Hashable, Iterable
 from typing import Any
 
@@ -175,14 +176,18 @@ class ProcessEngine:
         self.version = int(version)
         self._num_leaves = int(num_leaves)
         self._stats = EngineStats()
+        # One call at a time: a call and its answer are matched by their order alone, and
+        # the runner may reach the engine from more than one thread (actor, learner, drain).
+        self._lock = threading.RLock()
 
     def _send(self, *command) -> None:
         for channel in self._commands:
             channel.send(command)
 
     def _ask(self, *command):
-        self._send(*command)
-        kind, value = self._answers.recv()
+        with self._lock:
+            self._send(*command)
+            kind, value = self._answers.recv()
         if kind == "error":
             raise RuntimeError(f"the engine in process {self.actors[0]} failed: {value}")
         return value
@@ -199,26 +204,27 @@ class ProcessEngine:
         return self._ask("has_work")
 
     def update_weights(self, state, version: int, *, in_flight: str = "continue") -> None:
-        leaves = jax.tree.leaves(state)
-        if len(leaves) != self._num_leaves:
-            raise ValueError(
-                f"update_weights: {len(leaves)} arrays, the engine's parameters have "
-                f"{self._num_leaves}"
-            )
-        shapes = [(tuple(x.shape), np.dtype(x.dtype).str) for x in leaves]
-        self._send("update_weights", shapes, int(version), in_flight)
-        for process in self.actors:
-            # Each actor process receives a whole copy (JAX copies shard for shard between
-            # device lists of one size, one process to one process): first gathered onto
-            # as many of the driver's devices as it has, then sent.
-            source = _transfer_source(process)
-            copies = jax.device_put(leaves, [source] * len(leaves))
-            jax.device_put(copies, [_transfer_target(process)] * len(leaves))
-        for acks in self._acks:  # every actor process has its copy in place
-            kind, value = acks.recv()
-            if kind == "error":
-                raise RuntimeError(f"update_weights failed in an actor process: {value}")
-        self.version = int(version)
+        with self._lock:
+            leaves = jax.tree.leaves(state)
+            if len(leaves) != self._num_leaves:
+                raise ValueError(
+                    f"update_weights: {len(leaves)} arrays, the engine's parameters have "
+                    f"{self._num_leaves}"
+                )
+            shapes = [(tuple(x.shape), np.dtype(x.dtype).str) for x in leaves]
+            self._send("update_weights", shapes, int(version), in_flight)
+            for process in self.actors:
+                # Each actor process receives a whole copy (JAX copies shard for shard between
+                # device lists of one size, one process to one process): first gathered onto
+                # as many of the driver's devices as it has, then sent.
+                source = _transfer_source(process)
+                copies = jax.device_put(leaves, [source] * len(leaves))
+                jax.device_put(copies, [_transfer_target(process)] * len(leaves))
+            for acks in self._acks:  # every actor process has its copy in place
+                kind, value = acks.recv()
+                if kind == "error":
+                    raise RuntimeError(f"update_weights failed in an actor process: {value}")
+            self.version = int(version)
 
     def abort(self, request_id: Hashable, *, requeue: bool = False) -> None:
         self._ask("abort", request_id, requeue)
@@ -231,8 +237,9 @@ class ProcessEngine:
         return self._stats
 
     def close(self) -> None:
-        """Ends every actor's ``serve_engine``."""
-        self._send("close")
+        """Ends the actor's ``serve_engine``."""
+        with self._lock:
+            self._send("close")
 
 
 def serve_engine(engine: Engine) -> int:
