@@ -167,11 +167,10 @@ class ProcessEngine:
                 f"actor_process must be one of processes 1..{jax.process_count() - 1}, "
                 f"got {actor_process}"
             )
-        actors = [int(actor_process)]
-        self.actors = actors
-        self._commands = [_commands(p) for p in actors]
+        self.actor = int(actor_process)
+        self._commands = _commands(self.actor)
         self._answers = _answers()
-        self._acks = [_acks(p) for p in actors]
+        self._acks = _acks(self.actor)
         kind, (version, num_leaves) = self._answers.recv()
         self.version = int(version)
         self._num_leaves = int(num_leaves)
@@ -181,19 +180,18 @@ class ProcessEngine:
         self._lock = threading.RLock()
 
     def _send(self, *command) -> None:
-        for channel in self._commands:
-            channel.send(command)
+        self._commands.send(command)
 
     def _ask(self, *command):
         with self._lock:
             self._send(*command)
             kind, value = self._answers.recv()
         if kind == "error":
-            raise RuntimeError(f"the engine in process {self.actors[0]} failed: {value}")
+            raise RuntimeError(f"the engine in process {self.actor} failed: {value}")
         return value
 
     def submit(self, requests: Iterable[Request]) -> None:
-        # Validated by the engine in the actors; a bad request's error comes back here.
+        # Validated by the engine in the actor; a bad request's error comes back here.
         self._ask("submit", list(requests))
 
     def step(self) -> list[Completion]:
@@ -213,17 +211,14 @@ class ProcessEngine:
                 )
             shapes = [(tuple(x.shape), np.dtype(x.dtype).str) for x in leaves]
             self._send("update_weights", shapes, int(version), in_flight)
-            for process in self.actors:
-                # Each actor process receives a whole copy (JAX copies shard for shard between
-                # device lists of one size, one process to one process): first gathered onto
-                # as many of the driver's devices as it has, then sent.
-                source = _transfer_source(process)
-                copies = jax.device_put(leaves, [source] * len(leaves))
-                jax.device_put(copies, [_transfer_target(process)] * len(leaves))
-            for acks in self._acks:  # every actor process has its copy in place
-                kind, value = acks.recv()
-                if kind == "error":
-                    raise RuntimeError(f"update_weights failed in an actor process: {value}")
+            # The actor receives a whole copy (JAX copies shard for shard between device
+            # lists of one size, one process to one process): first gathered onto as many
+            # of the driver's devices as it has, then sent.
+            copies = jax.device_put(leaves, [_transfer_source(self.actor)] * len(leaves))
+            jax.device_put(copies, [_transfer_target(self.actor)] * len(leaves))
+            kind, value = self._acks.recv()  # the actor has its copy in place
+            if kind == "error":
+                raise RuntimeError(f"update_weights failed in process {self.actor}: {value}")
             self.version = int(version)
 
     def abort(self, request_id: Hashable, *, requeue: bool = False) -> None:
@@ -243,8 +238,8 @@ class ProcessEngine:
 
 
 def serve_engine(engine: Engine) -> int:
-    """Runs ``engine`` (on the actors' mesh) for the driver's ``ProcessEngine`` until it
-    closes; returns the number of calls served. Every actor process calls this."""
+    """Runs ``engine`` (on this process's devices) for the driver's ``ProcessEngine`` until
+    it closes; returns the number of calls served."""
     me = jax.process_index()
     commands = _commands(me)
     answers = _answers()
@@ -310,5 +305,5 @@ def serve_engine(engine: Engine) -> int:
                 answer("ok", engine.generate(*args))
             else:
                 raise ValueError(f"unknown engine call {command!r}")
-        except Exception as e:  # the driver raises it; the actors stay in step
+        except Exception as e:  # the driver raises it; the actor serves on
             answer("error", f"{type(e).__name__}: {e}")

@@ -382,15 +382,14 @@ class Curriculum:
         if cfg.difficulty.review > 0 and feedback.difficulty is not None:
             # Review prompts (below the domain's level) are rehearsal, not a measure of
             # where the domain stands: the signal and the levels see the others only.
-            at_level = np.asarray(feedback.difficulty, np.int64).reshape(-1) >= self.level[d]
-            d, success = d[at_level], success[at_level]
-            if feedback.abs_advantage is not None:
-                adv_all = np.asarray(feedback.abs_advantage, np.float64).reshape(-1)
-                feedback = dataclasses.replace(feedback, abs_advantage=adv_all[at_level])
+            level = np.asarray(feedback.difficulty, np.int64).reshape(-1)
+            keep = level >= self.level[d]
+            adv = feedback.abs_advantage
             feedback = dataclasses.replace(
-                feedback,
-                difficulty=np.asarray(feedback.difficulty, np.int64).reshape(-1)[at_level],
-            )
+                feedback, domain_index=d[keep], success=success[keep], difficulty=level[keep],
+                abs_advantage=None if adv is None else np.asarray(adv).reshape(-1)[keep],
+            )  # fmt: skip
+            d, success = d[keep], success[keep]
         count = np.bincount(d, minlength=k).astype(np.float64)
         present = count > 0
         safe = np.maximum(count, 1.0)
