@@ -17,7 +17,10 @@ stopped early contributes its evaluations so far.
 had generated (every round of dynamic sampling counted, ``ppo/rollout_rounds``) at the
 first evaluation where every named domain has reached its value (``null`` if it never
 did), per arm their mean, each later arm's ratio to the first arm's paired by seed,
-and each arm's mean sampling weight per domain (``curriculum/DOMAIN/weight``).
+and each arm's mean sampling weight per domain (``curriculum/DOMAIN/weight``). The same
+counts for each named domain alone (``samples_to_target_by_domain``: the first evaluation
+where that domain reaches its value), with the ratio over the seeds where both arms reach
+it (``samples_ratio_vs_FIRST_by_domain``).
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit(__doc__)
     report = {}
     to_target: dict[str, list] = {}
+    by_domain: dict[str, dict[str, list]] = {}
     finals: dict[str, list[float]] = {}
     for spec in argv:
         if "=" not in spec:
@@ -169,6 +173,10 @@ def main(argv: list[str]) -> None:
             report[arm]["samples_to_target"] = to_target[arm]
             report[arm]["samples_to_target_mean"] = _mean_se(reached)[0] if reached else None
             report[arm]["curriculum_weights"] = [_mean_weights(d) for d in dir_list]
+            by_domain[arm] = {
+                d: [_samples_to_target(p, g, {d: v}) for p, g in curves] for d, v in target.items()
+            }
+            report[arm]["samples_to_target_by_domain"] = by_domain[arm]
     # Arms share each seed's warm start (the SFT stage is the same for a seed), so the
     # difference at the last evaluation is paired by seed: the first arm is the reference.
     arms = list(finals)
@@ -180,6 +188,12 @@ def main(argv: list[str]) -> None:
             ratios = [b / a for a, b in zip(to_target[arms[0]], to_target[arm]) if a and b]
             if ratios:
                 report[arm][f"samples_ratio_vs_{arms[0]}"] = _paired_summary(ratios)
+            domain_ratios = {}
+            for d in target:
+                pairs = zip(by_domain[arms[0]][d], by_domain[arm][d])
+                ratios = [b / a for a, b in pairs if a and b]
+                domain_ratios[d] = _paired_summary(ratios) if ratios else None
+            report[arm][f"samples_ratio_vs_{arms[0]}_by_domain"] = domain_ratios
     if target is not None:
         report["target"] = target
     print(json.dumps(report))

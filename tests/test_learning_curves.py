@@ -58,6 +58,33 @@ def test_samples_count_every_round_and_the_warm_start_is_the_first_point(tmp_pat
     assert report["uniform"]["samples_to_target"] == [56]
     assert report["learned"]["samples_to_target"] == [24]
     assert abs(report["learned"]["samples_ratio_vs_uniform"]["mean"] - round(24 / 56, 4)) < 1e-9
+    # Each domain alone: a reaches 0.45 at step 3 (uniform, 56) and step 1 (learned, 24);
+    # b reaches 0.4 at step 3 (uniform, 56) and step 1 (learned, 24) as well.
+    assert report["uniform"]["samples_to_target_by_domain"] == {"a": [56], "b": [56]}
+    assert report["learned"]["samples_to_target_by_domain"] == {"a": [24], "b": [24]}
+
+
+def test_per_domain_targets_are_counted_separately(tmp_path, capsys):
+    lc = _load()
+    # uniform: a reaches 0.5 at step 1 (16 samples generated), b never reaches 0.5.
+    uniform = _write_run(
+        tmp_path / "uniform",
+        [_ppo(0, 1), _ppo(1, 1, a=0.5, b=0.1), _ppo(2, 1), _ppo(3, 1, a=0.2, b=0.3)],
+    )
+    # learned: a at step 3 (32 samples), b at step 1 (16).
+    learned = _write_run(
+        tmp_path / "learned",
+        [_ppo(0, 1), _ppo(1, 1, a=0.1, b=0.6), _ppo(2, 1), _ppo(3, 1, a=0.7, b=0.2)],
+    )
+    lc.main([f"uniform={uniform}", f"learned={learned}", "--target=a:0.5,b:0.5"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["uniform"]["samples_to_target_by_domain"] == {"a": [16], "b": [None]}
+    assert report["learned"]["samples_to_target_by_domain"] == {"a": [32], "b": [16]}
+    # Neither run had both at once; a's ratio is 32 / 16, b's has no pair to compare.
+    assert report["uniform"]["samples_to_target"] == [None]
+    assert report["learned"]["samples_to_target"] == [None]
+    ratios = report["learned"]["samples_ratio_vs_uniform_by_domain"]
+    assert ratios["a"]["mean"] == 2.0 and ratios["b"] is None
 
 
 def test_a_run_with_its_own_sft_stage_ignores_init_from(tmp_path):
