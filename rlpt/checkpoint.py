@@ -27,9 +27,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from rlpt.parallel.multihost import trainer_processes
 from rlpt.runfiles import RunFileError, move_aside
 
 CHECKPOINT_DIR = "checkpoints"
@@ -49,10 +51,20 @@ class Checkpointer:
         self, directory: str | os.PathLike[str], *, keep: int = 2, async_save: bool = True
     ):
         self.directory = os.path.abspath(os.fspath(directory))
+        extra = {"create": True}
+        trainers = trainer_processes()
+        # The trainer runs in one process of several (the rest serve it a role).
+        self._alone = len(trainers) < jax.process_count()
+        if self._alone:
+            # Processes that serve a role and never save (a remote rollout engine) stay out
+            # of the checkpoint's barriers; orbax then leaves making the directory to us.
+            extra["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+                primary_host=min(trainers), active_processes=trainers
+            )
+            extra["create"] = False
+            os.makedirs(self.directory, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            enable_async_checkpointing=async_save,
-            create=True,
+            max_to_keep=keep, enable_async_checkpointing=async_save, **extra
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         # Filled by ``restore_latest``: each step it skipped, with its one-line error.
@@ -78,6 +90,10 @@ class Checkpointer:
             # A step saved again (its record gained a final evaluation) replaces the old one.
             self._manager.wait_until_finished()
             self._manager.delete(int(step))
+        if self._alone:
+            # Orbax writes device arrays held by one process of several only as host
+            # arrays; restoring places them on the targets' devices again.
+            items = {name: jax.tree.map(_host_copy, tree) for name, tree in items.items()}
         args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
         args[_META] = ocp.args.JsonSave(meta)
         self._manager.save(int(step), args=ocp.args.Composite(**args), force=True)
@@ -207,6 +223,10 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _host_copy(x: Any) -> Any:
+    return np.asarray(jax.device_get(x)) if isinstance(x, jax.Array) else x
 
 
 def _abstract(tree: Any) -> Any:

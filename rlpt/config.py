@@ -37,6 +37,7 @@ STAGES = ("sft", "rm", "prm", "ppo", "sft_continued")
 # change them without being "a different config".
 RUN_CONTROL_FIELDS = ("overwrite", "stop_after_step", "logging", "profile")
 SANDBOX_BACKENDS = ("local", "ray")
+ENGINE_PLACEMENTS = ("local", "process", "ray")  # async_rl.engine
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 DEMO_DOMAINS = ("arithmetic", "stepwise_math", "program_synthesis")
 # Keys that were once config keys and are now something else: the error says where they went.
@@ -620,6 +621,13 @@ class AsyncSection:
     than a batch holds) to ``max_batch_groups`` (0: twice that): short responses make
     larger batches. The update always sees ``max_batch_groups`` groups, the missing ones
     as rows of zero loss weight, so one program serves every batch; their compute is spent.
+
+    ``engine`` places the rollout engine: "local" on ``actor_devices`` of this process;
+    "process" in JAX process 1 of a two-process ``rlpt.train`` (flags
+    ``--coordinator_address --num_processes=2 --process_id``), on all of that process's
+    devices, while process 0 runs everything else on its own (``rlpt.asyncrl.remote``);
+    "ray" on a Ray actor (``ray.init()`` with ``RAY_ADDRESS`` or a local cluster), with
+    ``ray_num_gpus`` accelerators (``rlpt.asyncrl.ray_engine``).
     """
 
     enabled: bool = False
@@ -637,6 +645,8 @@ class AsyncSection:
     # "sync": the same parts strictly in turn (generate the batch, judge it, update), the
     # synchronous baseline that max_staleness = 0 reproduces step for step.
     mode: str = "async"
+    engine: str = "local"
+    ray_num_gpus: float = 0.0
 
     def __post_init__(self):
         from rlpt.asyncrl.pool import PRIORITIES
@@ -654,6 +664,8 @@ class AsyncSection:
         _choice("async_rl.mode", self.mode, ("async", "sync"))
         _at_least("async_rl.token_budget", self.token_budget, 0)
         _at_least("async_rl.max_batch_groups", self.max_batch_groups, 0)
+        _choice("async_rl.engine", self.engine, ENGINE_PLACEMENTS)
+        _at_least("async_rl.ray_num_gpus", self.ray_num_gpus, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -877,6 +889,8 @@ class PostTrainConfig:
                 f"ppo.num_groups must be {source} = {groups} (or None), got {ppo.num_groups}"
             )
         a = self.async_rl
+        if a.engine != "local" and not a.enabled:
+            raise ConfigError(f"async_rl.engine {a.engine!r} needs async_rl.enabled")
         if a.token_budget and not a.enabled:
             raise ConfigError("async_rl.token_budget batches the asynchronous learner; it needs "
                               "async_rl.enabled")  # fmt: skip

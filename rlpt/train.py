@@ -11,6 +11,12 @@ Multi-process JAX starts from flags, never from the config:
 
     --coordinator_address=HOST:PORT --num_processes=N --process_id=I   # explicit
     --distributed                                                      # TPU pod, SLURM job
+
+With ``--config.async_rl.engine=process`` and two processes, process 1 serves the rollout
+engine on its devices and process 0 runs the rest of the run on its own; weights cross
+between them device to device through the address ``--transfer_address`` gives each
+process (default: this host's address towards the coordinator, port coordinator + 1 +
+process id).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import dataclasses
 import json
 import os
 import re
+import socket
 import sys
 from collections.abc import Mapping
 from typing import Any, NoReturn
@@ -47,6 +54,13 @@ _DISTRIBUTED = flags.DEFINE_bool(
     False,
     "Start multi-process JAX from the environment of a TPU pod or SLURM job "
     "(jax.distributed.initialize() with what the three flags above leave unset).",
+)
+_TRANSFER_ADDRESS = flags.DEFINE_string(
+    "transfer_address",
+    None,
+    "HOST:PORT where this process sends and receives device arrays across processes "
+    "(async_rl.engine=process); default: this host's address towards the coordinator, "
+    "port coordinator + 1 + process id.",
 )
 
 # How a config field's type reads in an error message.
@@ -216,7 +230,51 @@ def _check_workdir(workdir: str) -> None:
 
 def _check_against_processes(config: PostTrainConfig) -> None:
     """Checks that need the device and process counts (known once JAX has started)."""
-    config.mesh.shape(jax.device_count())
+    from rlpt.parallel.multihost import trainer_devices
+
+    config.mesh.shape(len(trainer_devices()))
+
+
+def _engine_process(config: Any, distributed: dict[str, Any] | None) -> bool:
+    """Whether the rollout engine runs in a process of its own (async_rl.engine=process);
+    checks that the flags start the two processes it needs."""
+    if not isinstance(config, PostTrainConfig) or config.async_rl.engine != "process":
+        return False
+    if distributed is None:
+        raise ConfigError(
+            "async_rl.engine 'process' runs as two JAX processes: pass --coordinator_address, "
+            "--num_processes=2 and --process_id (or --distributed)"
+        )
+    n = distributed.get("num_processes")
+    if n is not None and n != 2:
+        raise ConfigError(
+            f"async_rl.engine 'process' runs as --num_processes=2 (the driver and the "
+            f"engine's process), got {n}"
+        )
+    return True
+
+
+def _transfer_address(distributed: dict[str, Any]) -> str:
+    """This process's HOST:PORT for cross-process device transfers (see --transfer_address)."""
+    given = _TRANSFER_ADDRESS.value
+    if given:
+        if not re.fullmatch(r"\[?[\w.:-]+\]?:\d+", given):
+            raise ConfigError(f"--transfer_address must be HOST:PORT, got {given!r}")
+        return given
+    address, pid = distributed.get("coordinator_address"), distributed.get("process_id")
+    if address is None or pid is None:
+        raise ConfigError(
+            "async_rl.engine 'process' with --distributed needs --transfer_address=HOST:PORT "
+            "(where this process exchanges weights with the other)"
+        )
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+    # The address this host uses towards the coordinator: reachable by the other process.
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, int(port)))
+        own = s.getsockname()[0]
+    own = f"[{own}]" if ":" in own else own
+    return f"{own}:{int(port) + 1 + int(pid)}"
 
 
 def main(argv: list[str]) -> None:
@@ -226,6 +284,11 @@ def main(argv: list[str]) -> None:
         distributed = _distributed_options()
         config = parse_config(_load_config())
         _check_workdir(_WORKDIR.value)
+        engine_process = _engine_process(config, distributed)
+        if engine_process:
+            from rlpt.asyncrl.remote import enable_cross_host_transfers
+
+            enable_cross_host_transfers(_transfer_address(distributed))
     except ConfigError as e:
         _fail(str(e))
     if distributed is not None:
@@ -234,6 +297,18 @@ def main(argv: list[str]) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(**distributed)
         logging.info("JAX process %d of %d", jax.process_index(), jax.process_count())
+    if engine_process:
+        if jax.process_count() != 2:
+            _fail(f"async_rl.engine 'process' runs as 2 JAX processes, got {jax.process_count()}")
+        if jax.process_index() != 0:
+            from rlpt.asyncrl.remote import serve_engine
+
+            calls = serve_engine()  # until the driver's run closes the engine
+            logging.info("rollout engine served %d calls", calls)
+            return
+        from rlpt.parallel.multihost import set_trainer_process
+
+        set_trainer_process(0)
     if isinstance(config, PostTrainConfig):
         try:  # the mesh sizes against the devices there are, before anything compiles
             _check_against_processes(config)
@@ -243,6 +318,11 @@ def main(argv: list[str]) -> None:
         result = train_and_evaluate(config, _WORKDIR.value)
     except RunFileError as e:  # a damaged run file or workdir: one line naming it
         _fail(str(e))
+    finally:
+        if engine_process:  # the engine's process ends with the run, also a failed one
+            from rlpt.asyncrl.remote import ProcessEngine
+
+            ProcessEngine.release(1)
     print(json.dumps(to_json_value(result)), flush=True)
 
 

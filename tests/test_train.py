@@ -169,6 +169,27 @@ BAD_COMMAND_LINES = {
         [DEMO, "--config.ppo_steps=abc"],
         "ppo_steps must be an integer, got 'abc'",
     ),
+    "engine process without processes": (
+        [DEMO, "--config.async_rl.enabled=True", "--config.async_rl.engine=process"],
+        "async_rl.engine 'process' runs as two JAX processes: pass --coordinator_address, "
+        "--num_processes=2 and --process_id (or --distributed)",
+    ),
+    "engine process on three processes": (
+        [
+            DEMO,
+            "--config.async_rl.enabled=True",
+            "--config.async_rl.engine=process",
+            "--coordinator_address=localhost:1",
+            "--num_processes=3",
+            "--process_id=0",
+        ],
+        "async_rl.engine 'process' runs as --num_processes=2 (the driver and the engine's "
+        "process), got 3",
+    ),  # fmt: skip
+    "engine process, async off": (
+        [DEMO, "--config.async_rl.engine=process"],
+        "async_rl.engine 'process' needs async_rl.enabled",
+    ),
     "half the process flags": (
         [DEMO, "--num_processes=2"],
         "--coordinator_address, --process_id must be set with --num_processes (or pass "

@@ -28,9 +28,13 @@ What travels how:
 Launch: the same program on every process; process 0 builds the learner on
 ``jax.local_devices()`` and ``ProcessEngine(1)``; process 1 builds the ``Engine`` on
 ``actor_mesh(1)`` and calls ``serve_engine`` (``tests/asyncrl/multiprocess_engine.py`` is
-a complete example). Limits: one actor process and the learner in the driver's process;
-an engine mesh over several actor processes is refused (``serve_engine``): such an engine,
-given the same calls in each process, stalled inside its programs' collectives on CPU.
+a complete example). Or the driver describes the engine, ``ProcessEngine.build(1, graphdef,
+state, config, **engine_kwargs)``, and the actor process needs nothing but
+``serve_engine()``: it builds that engine on ``actor_mesh`` and takes the driver's weights
+(how ``rlpt.train`` runs ``async_rl.engine = "process"``). Limits: one actor process and
+the learner in the driver's process; an engine mesh over several actor processes is
+refused (``serve_engine``): such an engine, given the same calls in each process, stalled
+inside its programs' collectives on CPU.
 """
 
 from __future__ import annotations
@@ -110,16 +114,29 @@ def actor_mesh(actor_process: int = 1, **mesh_kwargs) -> Mesh:
     return make_mesh(devices=devices, **mesh_kwargs)
 
 
+# One Channel object per name in a process, so every sender and receiver of a stream
+# counts its messages together (a release after a failed build lands in order).
+_channels: dict[str, Channel] = {}
+# Actor processes whose serve_engine this driver has ended.
+_released: set[int] = set()
+
+
+def _channel(name: str) -> Channel:
+    if name not in _channels:
+        _channels[name] = Channel(name)
+    return _channels[name]
+
+
 def _commands(process: int) -> Channel:
-    return Channel(f"engine/commands/{process}")
+    return _channel(f"engine/commands/{process}")
 
 
 def _answers() -> Channel:
-    return Channel("engine/answers")
+    return _channel("engine/answers")
 
 
 def _acks(process: int) -> Channel:
-    return Channel(f"engine/acks/{process}")
+    return _channel(f"engine/acks/{process}")
 
 
 def _local_devices_of(process: int) -> list:
@@ -157,7 +174,7 @@ def _reshard_local(copy: jax.Array, target: NamedSharding) -> jax.Array:
 class ProcessEngine:
     """The engine of ``serve_engine`` in another process, driven from the driver (module doc)."""
 
-    def __init__(self, actor_process: int = 1):
+    def __init__(self, actor_process: int = 1, *, _spec: tuple | None = None):
         """Waits for ``serve_engine`` to start in ``actor_process`` and takes the engine's
         version and parameter count from it."""
         if jax.process_index() != DRIVER:
@@ -171,13 +188,43 @@ class ProcessEngine:
         self._commands = _commands(self.actor)
         self._answers = _answers()
         self._acks = _acks(self.actor)
-        kind, (version, num_leaves) = self._answers.recv()
+        if _spec is not None:  # the engine the actor's serve_engine() is to build
+            self._send("build", *_spec)
+        kind, value = self._answers.recv()
+        if kind == "error":
+            raise RuntimeError(f"the engine in process {self.actor} failed to start: {value}")
+        version, num_leaves = value
         self.version = int(version)
         self._num_leaves = int(num_leaves)
         self._stats = EngineStats()
         # One call at a time: a call and its answer are matched by their order alone, and
         # the runner may reach the engine from more than one thread (actor, learner, drain).
         self._lock = threading.RLock()
+
+    @classmethod
+    def build(
+        cls, actor_process: int, graphdef, state, config, *, version: int = 0, **engine_kwargs
+    ) -> ProcessEngine:
+        """An ``Engine(graphdef, state, config, **engine_kwargs)`` built by ``serve_engine()``
+        in ``actor_process`` on ``actor_mesh(actor_process)``, holding ``state`` (the
+        driver's weights, moved as ``update_weights`` moves them) at ``version``.
+        ``engine_kwargs`` are the engine's other arguments but ``mesh`` (host values:
+        they travel pickled)."""
+        if "mesh" in engine_kwargs:
+            raise ValueError("ProcessEngine.build: the engine's mesh is the actor's own")
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        engine = cls(actor_process, _spec=(graphdef, abstract, config, dict(engine_kwargs)))
+        engine.update_weights(state, version)
+        return engine
+
+    @staticmethod
+    def release(actor_process: int = 1) -> None:
+        """Ends ``serve_engine`` in ``actor_process`` unless this driver already did (a
+        ``close``, or a run that failed before or while building its engine)."""
+        actor = int(actor_process)
+        if actor not in _released:
+            _released.add(actor)
+            _commands(actor).send(("close",))
 
     def _send(self, *command) -> None:
         self._commands.send(command)
@@ -234,15 +281,35 @@ class ProcessEngine:
     def close(self) -> None:
         """Ends the actor's ``serve_engine``."""
         with self._lock:
-            self._send("close")
+            self.release(self.actor)
 
 
-def serve_engine(engine: Engine) -> int:
+def _build_engine(graphdef, abstract, config, engine_kwargs) -> Engine:
+    """The engine ``ProcessEngine.build`` describes, on this process's devices, holding
+    zeros until the driver's weights arrive."""
+    zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract)
+    return Engine(graphdef, zeros, config, mesh=actor_mesh(jax.process_index()), **engine_kwargs)
+
+
+def serve_engine(engine: Engine | None = None) -> int:
     """Runs ``engine`` (on this process's devices) for the driver's ``ProcessEngine`` until
-    it closes; returns the number of calls served."""
+    it closes; returns the number of calls served. Without ``engine``, the driver's
+    ``ProcessEngine.build`` describes the engine to build (``ProcessEngine.release`` ends
+    the wait for one, returning 0)."""
     me = jax.process_index()
     commands = _commands(me)
     answers = _answers()
+    if engine is None:
+        command, *args = commands.recv()
+        if command == "close":
+            return 0
+        if command != "build":
+            raise ValueError(f"serve_engine: expected the engine's description, got {command!r}")
+        try:
+            engine = _build_engine(*args)
+        except Exception as e:  # the driver raises it
+            answers.send(("error", f"{type(e).__name__}: {e}"))
+            raise
     if engine.mesh is None:
         raise ValueError("serve_engine needs an engine on the actor's mesh (actor_mesh)")
     if {d.process_index for d in engine.mesh.devices.flat} != {me}:

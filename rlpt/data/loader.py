@@ -14,7 +14,7 @@ needs no state of its own. A domain whose level changed is rebuilt at the new
 level from the same iterator position, which is the same thing a restore does.
 
 Multi-host: each process reads the ``shard_index::shard_count`` slice of every
-domain (defaults: ``jax.process_index()`` / ``jax.process_count()``) and draws
+domain (defaults: the trainer's processes, ``rlpt.parallel.multihost``) and draws
 its own rows. Pass every process the global feedback in ``update`` so their
 curricula stay identical.
 
@@ -210,9 +210,9 @@ class CurriculumLoader(grain.DatasetIterator):
             )
         self.seed = seed
         if shard_index is None or shard_count is None:
-            import jax
+            from rlpt.parallel.multihost import trainer_process_count, trainer_process_index
 
-            shard_index, shard_count = jax.process_index(), jax.process_count()
+            shard_index, shard_count = trainer_process_index(), trainer_process_count()
         if not 0 <= shard_index < shard_count:
             raise ValueError(f"shard_index {shard_index} not in [0, {shard_count})")
         self.shard_index, self.shard_count = shard_index, shard_count

@@ -48,12 +48,18 @@ def make_mesh(
     sequence: int = 1,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """A (data, fsdp, tensor, sequence) mesh over ``devices`` (default: all devices).
+    """A (data, fsdp, tensor, sequence) mesh over ``devices`` (default: the trainer's
+    devices, ``rlpt.parallel.multihost.trainer_devices``: all of them unless only one
+    process trains).
 
     Axis types are Auto so sharding is steered with ``with_sharding_constraint``
     and jit in/out shardings (the default Explicit types would change typing).
     """
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is None:
+        from rlpt.parallel.multihost import trainer_devices
+
+        devices = trainer_devices()
+    devices = list(devices)
     shape = resolve_mesh_shape(len(devices), data, fsdp, tensor, sequence)
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     if devices == list(jax.devices()):

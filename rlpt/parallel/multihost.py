@@ -9,6 +9,12 @@ array back to every process. Work that must not be repeated (running model-writt
 code in the sandbox) is split by ``process_rows`` and its results exchanged with
 ``allgather_json``. With one process all of these are the plain single-process
 operations.
+
+A run may also leave some processes out of the trainer: with the rollout engine served
+by another process (``async_rl.engine = "process"``) only the driver trains, and
+``set_trainer_process`` makes these helpers, the data shards, the verdict exchange and
+the checkpoint barriers treat it as the run's only process (``trainer_process_count``,
+``trainer_process_index``, ``trainer_devices``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,40 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from rlpt.parallel.sharding import replicated
+
+# None: every JAX process runs the trainer; an index: only that process does.
+_trainer_process: int | None = None
+
+
+def set_trainer_process(index: int | None) -> None:
+    """Only JAX process ``index`` runs the trainer (the others serve roles for it, such as
+    the rollout engine of ``rlpt.asyncrl.remote``); ``None``: every process does."""
+    global _trainer_process
+    if index is not None and not 0 <= index < jax.process_count():
+        raise ValueError(f"trainer process {index} not in [0, {jax.process_count()})")
+    _trainer_process = index
+
+
+def trainer_process_count() -> int:
+    """How many processes run the trainer: split data and work among these."""
+    return jax.process_count() if _trainer_process is None else 1
+
+
+def trainer_process_index() -> int:
+    """This process's index among the trainer's processes."""
+    return jax.process_index() if _trainer_process is None else 0
+
+
+def trainer_devices() -> list:
+    """The devices the trainer's mesh spans: every device, or the trainer process's own."""
+    return jax.devices() if _trainer_process is None else jax.local_devices()
+
+
+def trainer_processes() -> set[int]:
+    """The JAX process indices that run the trainer (checkpoint barriers span these)."""
+    if _trainer_process is None:
+        return set(range(jax.process_count()))
+    return {_trainer_process}
 
 
 def to_device(tree, shardings):
@@ -37,7 +77,7 @@ def to_device(tree, shardings):
 
 def _place(x, sharding):
     if (
-        jax.process_count() > 1
+        trainer_process_count() > 1
         and isinstance(x, jax.Array)
         and x.is_fully_addressable
         and not sharding.is_fully_addressable
@@ -57,7 +97,7 @@ def to_global(tree, mesh):
     """``tree`` with every process-local array replicated over ``mesh``, as a checkpoint
     written by several processes needs (arrays already on the mesh stay as they are).
     With one process the tree is returned unchanged."""
-    if jax.process_count() == 1 or mesh is None:
+    if trainer_process_count() == 1 or mesh is None:
         return tree
     everywhere = replicated(mesh)
 
@@ -96,14 +136,14 @@ def to_host(tree):
 
 def process_rows(n: int) -> np.ndarray:
     """The rows of an ``n``-row host batch this process works on alone (contiguous)."""
-    count, index = jax.process_count(), jax.process_index()
+    count, index = trainer_process_count(), trainer_process_index()
     bounds = np.linspace(0, n, count + 1).round().astype(int)
     return np.arange(bounds[index], bounds[index + 1])
 
 
 def allgather_json(values: Sequence[Any]) -> list[Any]:
     """Every process's ``values`` (JSON-able), concatenated in process order."""
-    if jax.process_count() == 1:
+    if trainer_process_count() == 1:
         return list(values)
     payload = np.frombuffer(json.dumps(list(values)).encode("utf-8"), np.uint8)
     sizes = multihost_utils.process_allgather(np.asarray([payload.size], np.int64))

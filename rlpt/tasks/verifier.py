@@ -37,12 +37,11 @@ class Verifier:
         contiguous share of them (its own sandbox pool runs that share's code) and
         receives the others' verdicts.
         """
-        import jax
+        from rlpt.parallel.multihost import allgather_json, process_rows, trainer_process_count
 
-        if jax.process_count() == 1:
+        if trainer_process_count() == 1:
             return self._verify(domain_names, tasks, completions)
         from rlpt.metrics import to_json_value
-        from rlpt.parallel.multihost import allgather_json, process_rows
 
         rows = process_rows(len(tasks))
         mine = self._verify(

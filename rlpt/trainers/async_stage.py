@@ -1,7 +1,8 @@
 """The ``ppo`` stage with ``async_rl.enabled``: actors and the learner overlap.
 
 The rollout engine runs on its own sub-mesh (``async_rl.actor_devices`` of the devices), the
-learner on the rest; ``rlpt.asyncrl.AsyncRunner`` drives both (see its module doc). This
+learner on the rest (or the engine in another JAX process or on a Ray actor:
+``async_rl.engine``); ``rlpt.asyncrl.AsyncRunner`` drives both (see its module doc). This
 stage adapts the trainer's roles to it: prompts come from the curriculum loader one group
 at a time (``LoaderPrompts``), the reward role judges each group as it finishes, and the
 learner lays a pool draw out as its batch (token in, token out, behaviour log-probs per
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlpt.asyncrl import AsyncConfig, AsyncRunner, Group, GroupReward, Prompt
+from rlpt.asyncrl.remote import ProcessEngine
 from rlpt.asyncrl.runtime import rewards_vary
 from rlpt.data import CurriculumLoader, Feedback
 from rlpt.parallel.multihost import to_host
@@ -32,6 +34,7 @@ from rlpt.tasks.base import Task
 from rlpt.trainers.context import RunEvaluation, StageContext
 
 ASYNC_STATE = "async"  # the checkpoint record's key for the runner's state
+ACTOR_PROCESS = 1  # the JAX process that serves the engine with async_rl.engine = "process"
 
 
 class LoaderPrompts:
@@ -106,6 +109,7 @@ class AsyncPPOStage:
         self.policy_graph = policy_graph
         self.model_cfg = model_cfg
         self.actor_mesh = actor_mesh
+        self._remote: ProcessEngine | None = None  # async_rl.engine = "process", once built
         self.names = loader.names
         a, r = config.async_rl, config.rollout
         self.async_cfg = AsyncConfig(
@@ -269,12 +273,7 @@ class AsyncPPOStage:
         total = c.ppo_steps
         if ctx.stage_step >= total:
             return True
-        engine = Engine(
-            self.policy_graph, self.learner.policy_params(), self.model_cfg,
-            eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
-            num_slots=c.rollout.slots, mesh=self.actor_mesh,
-            max_seq_len=max(self.make_batch_kwargs["prompt_buckets"]) + c.rollout.max_new_tokens,
-        )  # fmt: skip
+        engine = self._engine(ctx.stage_step)
         prompts = LoaderPrompts(self.loader, c.rollout.group_size)
         runner = AsyncRunner(
             self.async_cfg, engine, prompts, self._judge, self._learn,
@@ -307,7 +306,48 @@ class AsyncPPOStage:
             runner.run(total - ctx.stage_step, on_step=on_step)
         finally:
             progress.close()
+            if c.async_rl.engine == "ray":
+                engine.close()
         return not stopped["early"]
+
+    def _engine(self, version: int):
+        """The rollout engine where ``async_rl.engine`` places it, holding the learner's
+        weights as ``version``."""
+        c = self.config
+        params = self.learner.policy_params()
+        kwargs = dict(
+            eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+            num_slots=c.rollout.slots, version=version,
+            max_seq_len=max(self.make_batch_kwargs["prompt_buckets"]) + c.rollout.max_new_tokens,
+        )  # fmt: skip
+        if c.async_rl.engine == "process":
+            if self._remote is None:
+                self._remote = ProcessEngine.build(
+                    ACTOR_PROCESS, self.policy_graph, params, self.model_cfg, **kwargs
+                )
+            else:
+                self._remote.update_weights(params, version)
+            return self._remote
+        if c.async_rl.engine == "ray":
+            import ray
+
+            from rlpt.asyncrl.ray_engine import RayEngine
+
+            if not ray.is_initialized():
+                ray.init()  # RAY_ADDRESS's cluster, else a local one
+            gpus = c.async_rl.ray_num_gpus
+            return RayEngine(
+                self.policy_graph, params, self.model_cfg,
+                actor_options={"num_gpus": gpus} if gpus else None, **kwargs,
+            )  # fmt: skip
+        return Engine(self.policy_graph, params, self.model_cfg, mesh=self.actor_mesh, **kwargs)
+
+    def close(self) -> None:
+        """Ends the rollout engine's process (``async_rl.engine = "process"``), also when
+        this run never needed it."""
+        if self.config.async_rl.engine == "process":
+            ProcessEngine.release(ACTOR_PROCESS)
+            self._remote = None
 
     def _after_step(self, ctx, runner, metrics, t_last, total):
         traj = self._traj

@@ -305,6 +305,10 @@ class PostTrainRun:
     def _role_meshes(self):
         """(actor mesh, learner mesh): the first ``async_rl.actor_devices`` devices (-1: half)
         for the rollout engine, the rest for the learner, each data-parallel."""
+        if self.config.async_rl.engine != "local":
+            # The engine lives in another process or on a Ray actor: the learner takes
+            # every device of the run's mesh.
+            return None, self.mesh
         devices = jax.devices()
         n = self.config.async_rl.actor_devices
         if len(devices) == 1 and n in (-1, 1):
@@ -591,6 +595,8 @@ class PostTrainRun:
         )
 
     def close(self) -> None:
+        if isinstance(self.ppo, AsyncPPOStage):
+            self.ppo.close()
         self.profiler.close()
         self.ckpt.close()
         self.writer.close()
