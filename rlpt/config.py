@@ -626,8 +626,11 @@ class AsyncSection:
     "process" in JAX process 1 of a two-process ``rlpt.train`` (flags
     ``--coordinator_address --num_processes=2 --process_id``), on all of that process's
     devices, while process 0 runs everything else on its own (``rlpt.asyncrl.remote``);
-    "ray" on a Ray actor (``ray.init()`` with ``RAY_ADDRESS`` or a local cluster), with
-    ``ray_num_gpus`` accelerators (``rlpt.asyncrl.ray_engine``).
+    "ray" on Ray actors (``ray.init()`` with ``RAY_ADDRESS`` or a local cluster), each
+    with ``ray_num_gpus`` accelerators (``rlpt.asyncrl.ray_engine``). ``engines`` > 1
+    runs that many data-parallel replicas (``rlpt.asyncrl.replicated``), each with
+    ``rollout.slots`` slots: "local" splits the actor devices evenly among them, "ray"
+    starts one actor per replica.
     """
 
     enabled: bool = False
@@ -646,6 +649,7 @@ class AsyncSection:
     # synchronous baseline that max_staleness = 0 reproduces step for step.
     mode: str = "async"
     engine: str = "local"
+    engines: int = 1  # data-parallel engine replicas ("local": over the actor devices; "ray")
     ray_num_gpus: float = 0.0
 
     def __post_init__(self):
@@ -665,6 +669,12 @@ class AsyncSection:
         _at_least("async_rl.token_budget", self.token_budget, 0)
         _at_least("async_rl.max_batch_groups", self.max_batch_groups, 0)
         _choice("async_rl.engine", self.engine, ENGINE_PLACEMENTS)
+        _at_least("async_rl.engines", self.engines, 1)
+        if self.engine == "process" and self.engines != 1:
+            raise ConfigError(
+                "async_rl.engines must be 1 with async_rl.engine 'process' (one engine process; "
+                f"weights did not reach a second one), got {self.engines}"
+            )
         _at_least("async_rl.ray_num_gpus", self.ray_num_gpus, 0)
 
 

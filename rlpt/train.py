@@ -319,10 +319,11 @@ def main(argv: list[str]) -> None:
     except RunFileError as e:  # a damaged run file or workdir: one line naming it
         _fail(str(e))
     finally:
-        if engine_process:  # the engine's process ends with the run, also a failed one
-            from rlpt.asyncrl.remote import ProcessEngine
+        if engine_process:  # the engines' processes end with the run, also a failed one
+            from rlpt.asyncrl.remote import ProcessEngine, actor_processes
 
-            ProcessEngine.release(1)
+            for process in actor_processes():
+                ProcessEngine.release(process)
     print(json.dumps(to_json_value(result)), flush=True)
 
 

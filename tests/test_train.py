@@ -185,7 +185,7 @@ BAD_COMMAND_LINES = {
         ],
         "async_rl.engine 'process' runs as --num_processes=2 (the driver and the engine's "
         "process), got 3",
-    ),  # fmt: skip
+    ),
     "engine process, async off": (
         [DEMO, "--config.async_rl.engine=process"],
         "async_rl.engine 'process' needs async_rl.enabled",

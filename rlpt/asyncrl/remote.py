@@ -31,10 +31,15 @@ Launch: the same program on every process; process 0 builds the learner on
 a complete example). Or the driver describes the engine, ``ProcessEngine.build(1, graphdef,
 state, config, **engine_kwargs)``, and the actor process needs nothing but
 ``serve_engine()``: it builds that engine on ``actor_mesh`` and takes the driver's weights
-(how ``rlpt.train`` runs ``async_rl.engine = "process"``). Limits: one actor process and
-the learner in the driver's process; an engine mesh over several actor processes is
-refused (``serve_engine``): such an engine, given the same calls in each process, stalled
-inside its programs' collectives on CPU.
+(how ``rlpt.train`` runs ``async_rl.engine = "process"``).
+
+Limits: one actor process, and the learner in the driver's process. An engine whose mesh
+spans several processes is refused (``serve_engine``): given the same calls in each
+process, such an engine stalled inside its programs' cross-process collectives on CPU.
+Engines in two actor processes, driven as replicas (``rlpt.asyncrl.replicated``), did not
+run either: the weights sent to the second actor process never arrived (its
+``block_until_ready`` on the received copy waited for ever), so ``rlpt.train`` starts
+this mode with exactly two processes.
 """
 
 from __future__ import annotations
@@ -106,6 +111,11 @@ class Channel:
         return pickle.loads(data)
 
 
+def actor_processes() -> list[int]:
+    """The processes that serve an engine for the driver: every process but the driver."""
+    return [p for p in range(jax.process_count()) if p != DRIVER]
+
+
 def actor_mesh(actor_process: int = 1, **mesh_kwargs) -> Mesh:
     """A mesh over every device of ``actor_process`` (the engine's devices)."""
     devices = _local_devices_of(int(actor_process))
@@ -131,8 +141,8 @@ def _commands(process: int) -> Channel:
     return _channel(f"engine/commands/{process}")
 
 
-def _answers() -> Channel:
-    return _channel("engine/answers")
+def _answers(process: int) -> Channel:
+    return _channel(f"engine/answers/{process}")
 
 
 def _acks(process: int) -> Channel:
@@ -186,7 +196,7 @@ class ProcessEngine:
             )
         self.actor = int(actor_process)
         self._commands = _commands(self.actor)
-        self._answers = _answers()
+        self._answers = _answers(self.actor)
         self._acks = _acks(self.actor)
         if _spec is not None:  # the engine the actor's serve_engine() is to build
             self._send("build", *_spec)
@@ -298,7 +308,7 @@ def serve_engine(engine: Engine | None = None) -> int:
     the wait for one, returning 0)."""
     me = jax.process_index()
     commands = _commands(me)
-    answers = _answers()
+    answers = _answers(me)
     if engine is None:
         command, *args = commands.recv()
         if command == "close":
@@ -349,6 +359,9 @@ def serve_engine(engine: Engine | None = None) -> int:
                         for shape, dtype in shapes
                     ]
                     copies = jax.device_put(placeholders, [_transfer_target(me)] * len(shapes))
+                    # Acknowledged once the bytes are here: the driver keeps its source
+                    # copies alive until then, and goes on to the next actor only after.
+                    jax.block_until_ready(copies)
                     moved = [_reshard_local(c, t) for c, t in zip(copies, targets, strict=True)]
                     engine.update_weights(
                         jax.tree.unflatten(treedef, moved), version, in_flight=in_flight

@@ -23,9 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlpt.asyncrl import AsyncConfig, AsyncRunner, Group, GroupReward, Prompt
-from rlpt.asyncrl.remote import ProcessEngine
+from rlpt.asyncrl.remote import ProcessEngine, actor_processes
+from rlpt.asyncrl.replicated import ReplicatedEngine
 from rlpt.asyncrl.runtime import rewards_vary
 from rlpt.data import CurriculumLoader, Feedback
+from rlpt.parallel import make_mesh
 from rlpt.parallel.multihost import to_host
 from rlpt.roles import PPOLearner, RewardRole, Trajectories
 from rlpt.roles.rollout import Verdicts, decode_response
@@ -34,7 +36,6 @@ from rlpt.tasks.base import Task
 from rlpt.trainers.context import RunEvaluation, StageContext
 
 ASYNC_STATE = "async"  # the checkpoint record's key for the runner's state
-ACTOR_PROCESS = 1  # the JAX process that serves the engine with async_rl.engine = "process"
 
 
 class LoaderPrompts:
@@ -307,7 +308,7 @@ class AsyncPPOStage:
         finally:
             progress.close()
             if c.async_rl.engine == "ray":
-                engine.close()
+                engine.close()  # the replicas' actors end with the stage
         return not stopped["early"]
 
     def _engine(self, version: int):
@@ -320,10 +321,12 @@ class AsyncPPOStage:
             num_slots=c.rollout.slots, version=version,
             max_seq_len=max(self.make_batch_kwargs["prompt_buckets"]) + c.rollout.max_new_tokens,
         )  # fmt: skip
+        replicas = c.async_rl.engines
         if c.async_rl.engine == "process":
             if self._remote is None:
+                (actor,) = actor_processes()
                 self._remote = ProcessEngine.build(
-                    ACTOR_PROCESS, self.policy_graph, params, self.model_cfg, **kwargs
+                    actor, self.policy_graph, params, self.model_cfg, **kwargs
                 )
             else:
                 self._remote.update_weights(params, version)
@@ -335,18 +338,31 @@ class AsyncPPOStage:
 
             if not ray.is_initialized():
                 ray.init()  # RAY_ADDRESS's cluster, else a local one
-            gpus = c.async_rl.ray_num_gpus
-            return RayEngine(
-                self.policy_graph, params, self.model_cfg,
-                actor_options={"num_gpus": gpus} if gpus else None, **kwargs,
-            )  # fmt: skip
-        return Engine(self.policy_graph, params, self.model_cfg, mesh=self.actor_mesh, **kwargs)
+            options = {"num_gpus": c.async_rl.ray_num_gpus} if c.async_rl.ray_num_gpus else None
+            engines = [
+                RayEngine(
+                    self.policy_graph, params, self.model_cfg, actor_options=options, **kwargs
+                )
+                for _ in range(replicas)
+            ]
+        else:
+            devices = list(self.actor_mesh.devices.flat)
+            size = len(devices) // replicas
+            meshes = [self.actor_mesh] if replicas == 1 else [
+                make_mesh(devices=devices[i * size : (i + 1) * size]) for i in range(replicas)
+            ]  # fmt: skip
+            engines = [
+                Engine(self.policy_graph, params, self.model_cfg, mesh=mesh, **kwargs)
+                for mesh in meshes
+            ]
+        return engines[0] if replicas == 1 else ReplicatedEngine(engines)
 
     def close(self) -> None:
         """Ends the rollout engine's process (``async_rl.engine = "process"``), also when
         this run never needed it."""
         if self.config.async_rl.engine == "process":
-            ProcessEngine.release(ACTOR_PROCESS)
+            for process in actor_processes():
+                ProcessEngine.release(process)
             self._remote = None
 
     def _after_step(self, ctx, runner, metrics, t_last, total):

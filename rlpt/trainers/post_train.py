@@ -311,18 +311,26 @@ class PostTrainRun:
             return None, self.mesh
         devices = jax.devices()
         n = self.config.async_rl.actor_devices
-        if len(devices) == 1 and n in (-1, 1):
+        if len(devices) == 1 and n in (-1, 1) and self.config.async_rl.engines == 1:
             # One device: both roles share it; the threads still overlap sandbox waits and
             # host work with device work.
             logging.info("async: one device, shared by the rollout engine and the learner")
             return self.mesh, self.mesh
         n = max(1, len(devices) // 2) if n == -1 else n
         if jax.process_count() > 1:
-            raise ValueError("async_rl.enabled runs in one process (multi-host roles: not yet)")
+            raise ValueError(
+                "async_rl.enabled runs in one process, or with async_rl.engine 'process' as "
+                "two (a learner over several processes: not yet)"
+            )
         if not 1 <= n < len(devices):
             raise ValueError(
                 f"async_rl.actor_devices must leave the learner at least one of the "
                 f"{len(devices)} devices, got {n}"
+            )
+        if n % self.config.async_rl.engines:
+            raise ValueError(
+                f"async_rl.engines ({self.config.async_rl.engines}) must divide the actor "
+                f"devices ({n}, async_rl.actor_devices)"
             )
         return make_mesh(devices=devices[:n]), make_mesh(devices=devices[n:])
 

@@ -1,6 +1,8 @@
-"""Where the asynchronous run's rollout engine lives (``async_rl.engine``): in another JAX
-process of a two-process ``rlpt.train``, or on a Ray actor, the run computes what it
-computes with the engine on 4 of its own 8 devices.
+"""Where the asynchronous run's rollout engine lives (``async_rl.engine``) and how many
+replicas it has (``async_rl.engines``): in the other JAX process of a two-process
+``rlpt.train``, as two replicas on 2 devices each, or on two Ray actors, the run computes
+what it computes with one engine on 4 of its own 8 devices (sampling is seeded per
+request, so which replica samples a group does not matter).
 
 The runs use the synchronous schedule (``async_rl.mode = 'sync'``, staleness 0), so every
 metric is a function of the weights and the seed alone. From a random policy the outcome
@@ -122,22 +124,32 @@ def test_an_engine_process_runs_the_same_run_and_resumes(tmp_path, local_run):
     first = _two_processes(workdir, "--config.stop_after_step=2")
     second = _two_processes(workdir)
     assert "Resumed from checkpoint at step 2" in second[0]
-    for _, actor in (first, second):
-        # The engine's process served the run's calls and wrote nothing of its own.
-        assert "rollout engine served" in actor and "Running trainer" not in actor
+    for _, *actors in (first, second):
+        for actor in actors:  # it served the run's calls and ran nothing of its own
+            assert "rollout engine served" in actor and "Running trainer" not in actor
     _assert_same_run(_ppo_lines(workdir), local_run)
     steps = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
     assert steps[-1] == STEPS
 
 
-def test_a_ray_engine_runs_the_same_run(tmp_path, local_run):
+def test_two_local_replicas_run_the_same_run(tmp_path, local_run):
+    workdir = str(tmp_path / "run")
+    train.train_and_evaluate(
+        experiment_config("demo_async", **SETTINGS, **{"async_rl.engines": 2}), workdir
+    )
+    _assert_same_run(_ppo_lines(workdir), local_run)
+
+
+def test_two_ray_engines_run_the_same_run(tmp_path, local_run):
     ray = pytest.importorskip("ray", reason="async_rl.engine='ray' needs: pip install 'rlpt[ray]'")
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         workdir = str(tmp_path / "run")
-        config = experiment_config("demo_async", **SETTINGS, **{"async_rl.engine": "ray"})
+        config = experiment_config(
+            "demo_async", **SETTINGS, **{"async_rl.engine": "ray", "async_rl.engines": 2}
+        )
         train.train_and_evaluate(config, workdir)
         _assert_same_run(_ppo_lines(workdir), local_run)
     finally:

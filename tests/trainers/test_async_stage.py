@@ -86,7 +86,12 @@ def test_killed_and_rerun_async_run_trains_on_every_prompt_once(tmp_path):
      ({"async_rl.max_staleness": -1}, "async_rl.max_staleness"),
      ({"async_rl.token_budget": 64, "async_rl.max_batch_groups": 1},
       "async_rl.max_batch_groups"),
-     ({"async_rl.token_budget": 64, "async_rl.enabled": False}, "needs async_rl.enabled")],
+     ({"async_rl.token_budget": 64, "async_rl.enabled": False}, "needs async_rl.enabled"),
+     ({"async_rl.engine": "gpu"}, "async_rl.engine"),
+     ({"async_rl.engine": "ray", "async_rl.enabled": False},
+      "async_rl.engine 'ray' needs async_rl.enabled"),
+     ({"async_rl.engine": "process", "async_rl.engines": 2}, "async_rl.engines must be 1"),
+     ({"async_rl.engines": 0}, "async_rl.engines must be >= 1")],
 )  # fmt: skip
 def test_async_settings_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
