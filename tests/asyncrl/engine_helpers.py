@@ -1,9 +1,11 @@
-"""Shared by the remote-engine tests (the Ray one and the two-process script): a prompt
-source, a reward and requests small enough for the tiny model."""
+"""Shared by the remote-engine tests (Ray, replicas, the two-process script): a prompt
+source, a reward, requests small enough for the tiny model, and an asynchronous run's
+check."""
 
+import jax
 import numpy as np
 
-from rlpt.asyncrl import GroupReward, Prompt
+from rlpt.asyncrl import AsyncConfig, AsyncRunner, GroupReward, Prompt
 from rlpt.sampling import Request, RequestParams
 
 
@@ -36,3 +38,26 @@ def requests(n=4, max_tokens=6):
         Request(i, [5 + i, 17, 40 + i], RequestParams(max_tokens=max_tokens, n=2, seed=i))
         for i in range(n)
     ]
+
+
+def run_async_and_check(engine, params, steps=4):
+    """Runs ``steps`` learner steps (staleness 1, 2 groups of 2) through ``engine`` with a
+    stand-in learner that publishes new weights every step; checks that every drawn prompt
+    was trained on once or is still held and every batch kept the bound."""
+    consumed = []
+
+    def learn(draw, version):
+        consumed.extend(draw.keys)
+        return jax.tree.map(lambda x: x * 0.99, params), {}
+
+    cfg = AsyncConfig(max_staleness=1, batch_groups=2, group_size=2, reward_threads=2)
+    runner = AsyncRunner(
+        cfg, engine, CyclingPrompts(), parity_reward, learn, RequestParams(max_tokens=12)
+    )
+    metrics = runner.run(steps)
+    assert len(consumed) == len(set(consumed)) == 2 * steps
+    for m in metrics:
+        assert sum(m["async/staleness_hist"]) == 2 and len(m["async/staleness_hist"]) == 2
+    state = runner.state_dict()
+    held = [p["key"] for p in state["inflight"]] + [i["key"] for i in state["pool"]["items"]]
+    assert sorted(consumed + held) == list(range(state["started"]))

@@ -8,12 +8,11 @@ import jax
 import numpy as np
 import pytest
 
-from rlpt.asyncrl import AsyncConfig, AsyncRunner
 from rlpt.models import CausalLM, create_model, get_preset
-from rlpt.sampling import Engine, RequestParams
+from rlpt.sampling import Engine
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_helpers import CyclingPrompts, parity_reward, requests  # noqa: E402
+from engine_helpers import requests, run_async_and_check  # noqa: E402
 
 ray = pytest.importorskip("ray", reason="RayEngine needs: pip install 'rlpt[ray]'")
 from rlpt.asyncrl.ray_engine import RayEngine  # noqa: E402
@@ -53,24 +52,7 @@ def test_ray_engine_samples_what_a_local_engine_samples(ray_session):
 def test_an_async_run_through_a_ray_engine_keeps_its_bound(ray_session):
     graph, params = create_model(lambda r: CausalLM(CFG, rngs=r), jax.random.key(0))
     remote = RayEngine(graph, params, CFG, eos_id=2, num_slots=8, actor_options={"num_cpus": 0})
-
-    consumed = []
-
-    def learn(draw, version):  # a stand-in learner: new weights every step
-        consumed.extend(draw.keys)
-        return jax.tree.map(lambda x: x * 0.99, params), {}
-
-    cfg = AsyncConfig(max_staleness=1, batch_groups=2, group_size=2, reward_threads=2)
-    runner = AsyncRunner(
-        cfg, remote, CyclingPrompts(), parity_reward, learn, RequestParams(max_tokens=12)
-    )
     try:
-        metrics = runner.run(4)
+        run_async_and_check(remote, params)
     finally:
         remote.close()
-    assert len(consumed) == len(set(consumed)) == 8
-    for m in metrics:
-        assert sum(m["async/staleness_hist"]) == 2 and len(m["async/staleness_hist"]) == 2
-    state = runner.state_dict()
-    held = [p["key"] for p in state["inflight"]] + [i["key"] for i in state["pool"]["items"]]
-    assert sorted(consumed + held) == list(range(state["started"]))

@@ -9,14 +9,13 @@ import jax
 import numpy as np
 import pytest
 
-from rlpt.asyncrl import AsyncConfig, AsyncRunner
 from rlpt.asyncrl.replicated import ReplicatedEngine
 from rlpt.models import CausalLM, create_model, get_preset
 from rlpt.parallel import make_mesh
 from rlpt.sampling import Engine, Request, RequestParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_helpers import CyclingPrompts, parity_reward, requests  # noqa: E402
+from engine_helpers import requests, run_async_and_check  # noqa: E402
 
 CFG = get_preset("tiny")
 
@@ -84,21 +83,5 @@ def test_abort_stops_or_requeues_on_the_request_replica(model):
 
 def test_an_async_run_through_replicas_keeps_its_bound(model):
     replicas = _replicas(model)
-    consumed = []
-
-    def learn(draw, version):  # a stand-in learner: new weights every step
-        consumed.extend(draw.keys)
-        return jax.tree.map(lambda x: x * 0.99, model[1]), {}
-
-    cfg = AsyncConfig(max_staleness=1, batch_groups=2, group_size=2, reward_threads=2)
-    runner = AsyncRunner(
-        cfg, replicas, CyclingPrompts(), parity_reward, learn, RequestParams(max_tokens=12)
-    )
-    metrics = runner.run(4)
-    assert len(consumed) == len(set(consumed)) == 8
-    for m in metrics:
-        assert sum(m["async/staleness_hist"]) == 2 and len(m["async/staleness_hist"]) == 2
-    state = runner.state_dict()
-    held = [p["key"] for p in state["inflight"]] + [i["key"] for i in state["pool"]["items"]]
-    assert sorted(consumed + held) == list(range(state["started"]))
+    run_async_and_check(replicas, model[1])
     assert all(e.stats.generated_tokens > 0 for e in replicas.engines)

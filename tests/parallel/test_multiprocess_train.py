@@ -10,30 +10,20 @@ writes the run's files, and each checkpoint is written once.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 
+from tests.process_env import env_with_devices, free_port
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN = os.path.join(REPO_ROOT, "tests", "trainers", "golden", "demo_runlocal_seed0.json")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _run_two_processes(workdir, *extra):
-    port = _free_port()
-    # Four devices a process; the test run's other XLA flags carry over.
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
-    env = dict(os.environ)
-    env.update(XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=4"]),
-               JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT)  # fmt: skip
+    port = free_port()
+    env = env_with_devices(4)  # four devices a process
     procs = [
         subprocess.Popen(
             [

@@ -13,7 +13,6 @@ other tokens and change the behaviour log-probs, ``ppo/mismatch_kl`` and the los
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 
 from rlpt import train
+from tests.process_env import env_with_devices, free_port
 from tests.trainers.experiment_configs import experiment_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,20 +70,10 @@ def _assert_same_run(got, want):
                 assert have[key] == value, f"step {ref['step']} {key}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _two_processes(workdir, *extra):
     """``rlpt.train`` as a driver and an engine process, 4 host devices each."""
-    port = _free_port()
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
-    env = dict(os.environ)
-    env.update(XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=4"]),
-               JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT)  # fmt: skip
+    port = free_port()
+    env = env_with_devices(4)  # four devices a process
     overrides = [f"--config.{k}={v!r}" if isinstance(v, tuple) else f"--config.{k}={v}"
                  for k, v in SETTINGS.items() if k != "async_rl.actor_devices"]  # fmt: skip
     procs = [
