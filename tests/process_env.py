@@ -1,8 +1,11 @@
-"""For tests that start several JAX processes on this host: a free port and the
-environment of a process with a given number of host CPU devices."""
+"""For tests that start several JAX processes on this host: a free port, the environment
+of a process with a given number of host CPU devices, and ``rlpt.train`` run as such a
+multi-process program."""
 
 import os
 import socket
+import subprocess
+import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,3 +28,37 @@ def env_with_devices(count: int) -> dict[str, str]:
         PYTHONPATH=REPO_ROOT,
     )
     return env
+
+
+def run_train_processes(workdir, config: str, *args, processes: int = 2, devices: int = 4):
+    """``python -m rlpt.train --config=CONFIG --workdir=WORKDIR ARGS`` as ``processes`` JAX
+    processes of ``devices`` host devices each on localhost; asserts each exits 0 and
+    returns their outputs in process order."""
+    port, env = free_port(), env_with_devices(devices)
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rlpt.train",
+                f"--config={config}",
+                f"--workdir={workdir}",
+                f"--coordinator_address=localhost:{port}",
+                f"--num_processes={processes}",
+                f"--process_id={i}",
+                *args,
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for i in range(processes)
+    ]
+    outs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=540)
+        assert proc.returncode == 0, out[-4000:]
+        outs.append(out)
+    return outs

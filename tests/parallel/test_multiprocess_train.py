@@ -10,47 +10,17 @@ writes the run's files, and each checkpoint is written once.
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 
-from tests.process_env import env_with_devices, free_port
+from tests.process_env import run_train_processes
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN = os.path.join(REPO_ROOT, "tests", "trainers", "golden", "demo_runlocal_seed0.json")
 
 
 def _run_two_processes(workdir, *extra):
-    port = free_port()
-    env = env_with_devices(4)  # four devices a process
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rlpt.train",
-                "--config=experiments/demo.py:runlocal",
-                f"--workdir={workdir}",
-                f"--coordinator_address=localhost:{port}",
-                "--num_processes=2",
-                f"--process_id={i}",
-                *extra,
-            ],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for i in (0, 1)
-    ]
-    outs = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=540)
-        assert proc.returncode == 0, out[-4000:]
-        outs.append(out)
-    return outs
+    return run_train_processes(workdir, "experiments/demo.py:runlocal", *extra)
 
 
 def test_two_processes_match_one_process_and_resume(tmp_path):

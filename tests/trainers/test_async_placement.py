@@ -13,17 +13,14 @@ other tokens and change the behaviour log-probs, ``ppo/mismatch_kl`` and the los
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from rlpt import train
-from tests.process_env import env_with_devices, free_port
+from tests.process_env import run_train_processes
 from tests.trainers.experiment_configs import experiment_config
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 3
 SETTINGS = {
     "stages": ("ppo",),
@@ -72,39 +69,12 @@ def _assert_same_run(got, want):
 
 def _two_processes(workdir, *extra):
     """``rlpt.train`` as a driver and an engine process, 4 host devices each."""
-    port = free_port()
-    env = env_with_devices(4)  # four devices a process
     overrides = [f"--config.{k}={v!r}" if isinstance(v, tuple) else f"--config.{k}={v}"
                  for k, v in SETTINGS.items() if k != "async_rl.actor_devices"]  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rlpt.train",
-                "--config=experiments/demo_async.py:runlocal",
-                f"--workdir={workdir}",
-                f"--coordinator_address=localhost:{port}",
-                "--num_processes=2",
-                f"--process_id={i}",
-                "--config.async_rl.engine=process",
-                *overrides,
-                *extra,
-            ],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for i in (0, 1)
-    ]
-    outs = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=540)
-        assert proc.returncode == 0, out[-4000:]
-        outs.append(out)
-    return outs
+    return run_train_processes(
+        workdir, "experiments/demo_async.py:runlocal", "--config.async_rl.engine=process",
+        *overrides, *extra,
+    )  # fmt: skip
 
 
 def test_an_engine_process_runs_the_same_run_and_resumes(tmp_path, local_run):
