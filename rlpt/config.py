@@ -623,9 +623,10 @@ class AsyncSection:
     as rows of zero loss weight, so one program serves every batch; their compute is spent.
 
     ``engine`` places the rollout engine: "local" on ``actor_devices`` of this process;
-    "process" in JAX process 1 of a two-process ``rlpt.train`` (flags
-    ``--coordinator_address --num_processes=2 --process_id``), on all of that process's
-    devices, while process 0 runs everything else on its own (``rlpt.asyncrl.remote``);
+    "process" in every JAX process but 0 of a multi-process ``rlpt.train`` (flags
+    ``--coordinator_address --num_processes=N --process_id``), an engine on all of each
+    process's devices (N - 1 replicas), while process 0 runs everything else on its own
+    (``rlpt.asyncrl.remote``);
     "ray" on Ray actors (``ray.init()`` with ``RAY_ADDRESS`` or a local cluster), each
     with ``ray_num_gpus`` accelerators (``rlpt.asyncrl.ray_engine``). ``engines`` > 1
     runs that many data-parallel replicas (``rlpt.asyncrl.replicated``), each with
@@ -672,8 +673,8 @@ class AsyncSection:
         _at_least("async_rl.engines", self.engines, 1)
         if self.engine == "process" and self.engines != 1:
             raise ConfigError(
-                "async_rl.engines must be 1 with async_rl.engine 'process' (one engine process; "
-                f"weights did not reach a second one), got {self.engines}"
+                "async_rl.engines must be 1 with async_rl.engine 'process' (each engine "
+                f"process serves one; start more processes for more), got {self.engines}"
             )
         _at_least("async_rl.ray_num_gpus", self.ray_num_gpus, 0)
 

@@ -12,8 +12,9 @@ Multi-process JAX starts from flags, never from the config:
     --coordinator_address=HOST:PORT --num_processes=N --process_id=I   # explicit
     --distributed                                                      # TPU pod, SLURM job
 
-With ``--config.async_rl.engine=process`` and two processes, process 1 serves the rollout
-engine on its devices and process 0 runs the rest of the run on its own; weights cross
+With ``--config.async_rl.engine=process``, every process but 0 serves a rollout engine on
+its devices (several are data-parallel replicas) and process 0 runs the rest of the run
+on its own; weights cross
 between them device to device through the address ``--transfer_address`` gives each
 process (default: this host's address towards the coordinator, port coordinator + 1 +
 process id).
@@ -246,10 +247,10 @@ def _engine_process(config: Any, distributed: dict[str, Any] | None) -> bool:
             "--num_processes=2 and --process_id (or --distributed)"
         )
     n = distributed.get("num_processes")
-    if n is not None and n != 2:
+    if n is not None and n < 2:
         raise ConfigError(
-            f"async_rl.engine 'process' runs as --num_processes=2 (the driver and the "
-            f"engine's process), got {n}"
+            f"async_rl.engine 'process' runs as --num_processes >= 2 (the driver and one "
+            f"process per engine), got {n}"
         )
     return True
 
@@ -298,8 +299,8 @@ def main(argv: list[str]) -> None:
         jax.distributed.initialize(**distributed)
         logging.info("JAX process %d of %d", jax.process_index(), jax.process_count())
     if engine_process:
-        if jax.process_count() != 2:
-            _fail(f"async_rl.engine 'process' runs as 2 JAX processes, got {jax.process_count()}")
+        if jax.process_count() < 2:
+            _fail("async_rl.engine 'process' needs 2 JAX processes or more, got 1")
         if jax.process_index() != 0:
             from rlpt.asyncrl.remote import serve_engine
 

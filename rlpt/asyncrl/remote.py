@@ -33,13 +33,14 @@ state, config, **engine_kwargs)``, and the actor process needs nothing but
 ``serve_engine()``: it builds that engine on ``actor_mesh`` and takes the driver's weights
 (how ``rlpt.train`` runs ``async_rl.engine = "process"``).
 
-Limits: one actor process, and the learner in the driver's process. An engine whose mesh
-spans several processes is refused (``serve_engine``): given the same calls in each
-process, such an engine stalled inside its programs' cross-process collectives on CPU.
-Engines in two actor processes, driven as replicas (``rlpt.asyncrl.replicated``), did not
-run either: the weights sent to the second actor process never arrived (its
-``block_until_ready`` on the received copy waited for ever), so ``rlpt.train`` starts
-this mode with exactly two processes.
+Several actor processes each serve an engine of their own, which the driver drives as
+data-parallel replicas (``rlpt.asyncrl.replicated.ReplicatedEngine`` over one
+``ProcessEngine`` per actor process). Every process takes part in each weight transfer,
+in one order (the other actors make the same ``device_put``, holding none of its
+shards): an actor left out of the transfers to the others waited for ever for its own.
+Limits: one engine whose mesh spans several processes is refused (``serve_engine``):
+given the same calls in each process, such an engine stalled inside its programs'
+cross-process collectives on CPU; the learner stays in the driver's process.
 """
 
 from __future__ import annotations
@@ -89,13 +90,15 @@ class Channel:
         self.name = name
         self.sent = 0
         self.received = 0
+        self._send_lock = threading.Lock()  # replicas' threads may send to one process
 
     def _key(self, n: int) -> str:
         return f"rlpt/{self.name}/{n}"
 
     def send(self, value: Any) -> None:
-        _client().key_value_set_bytes(self._key(self.sent), pickle.dumps(value))
-        self.sent += 1
+        with self._send_lock:
+            _client().key_value_set_bytes(self._key(self.sent), pickle.dumps(value))
+            self.sent += 1
 
     def recv(self) -> Any:
         client, key = _client(), self._key(self.received)
@@ -267,6 +270,12 @@ class ProcessEngine:
                     f"{self._num_leaves}"
                 )
             shapes = [(tuple(x.shape), np.dtype(x.dtype).str) for x in leaves]
+            # Every process takes part in each cross-process transfer, in one order: the
+            # other actors make the same device_put (they hold none of its shards). An
+            # actor left out waited for ever for its own next transfer.
+            for other in actor_processes():
+                if other != self.actor:
+                    _commands(other).send(("observe_transfer", self.actor, shapes))
             self._send("update_weights", shapes, int(version), in_flight)
             # The actor receives a whole copy (JAX copies shard for shard between device
             # lists of one size, one process to one process): first gathered onto as many
@@ -294,6 +303,18 @@ class ProcessEngine:
             self.release(self.actor)
 
 
+def _observe_transfer(other: int, shapes) -> None:
+    """This process's part in the driver's weight transfer to actor ``other``: the same
+    ``device_put``, holding none of its shards."""
+    placeholders = [
+        jax.make_array_from_single_device_arrays(
+            shape, _transfer_source(other), [], dtype=np.dtype(dtype)
+        )
+        for shape, dtype in shapes
+    ]
+    jax.device_put(placeholders, [_transfer_target(other)] * len(shapes))
+
+
 def _build_engine(graphdef, abstract, config, engine_kwargs) -> Engine:
     """The engine ``ProcessEngine.build`` describes, on this process's devices, holding
     zeros until the driver's weights arrive."""
@@ -311,6 +332,9 @@ def serve_engine(engine: Engine | None = None) -> int:
     answers = _answers(me)
     if engine is None:
         command, *args = commands.recv()
+        while command == "observe_transfer":  # weights for another actor, built before us
+            _observe_transfer(*args)
+            command, *args = commands.recv()
         if command == "close":
             return 0
         if command != "build":
@@ -370,6 +394,8 @@ def serve_engine(engine: Engine | None = None) -> int:
                     acks.send(("error", f"{type(e).__name__}: {e}"))
                 else:
                     acks.send(("ok", None))
+            elif command == "observe_transfer":
+                _observe_transfer(*args)
             elif command == "submit":
                 engine.submit(*args)
                 answer("ok")

@@ -110,7 +110,8 @@ class AsyncPPOStage:
         self.policy_graph = policy_graph
         self.model_cfg = model_cfg
         self.actor_mesh = actor_mesh
-        self._remote: ProcessEngine | None = None  # async_rl.engine = "process", once built
+        # async_rl.engine = "process", once built: the actor processes' engine(s).
+        self._remote: ProcessEngine | ReplicatedEngine | None = None
         self.names = loader.names
         a, r = config.async_rl, config.rollout
         self.async_cfg = AsyncConfig(
@@ -324,10 +325,12 @@ class AsyncPPOStage:
         replicas = c.async_rl.engines
         if c.async_rl.engine == "process":
             if self._remote is None:
-                (actor,) = actor_processes()
-                self._remote = ProcessEngine.build(
-                    actor, self.policy_graph, params, self.model_cfg, **kwargs
-                )
+                # One engine per actor process; several are driven as replicas.
+                engines = [
+                    ProcessEngine.build(p, self.policy_graph, params, self.model_cfg, **kwargs)
+                    for p in actor_processes()
+                ]
+                self._remote = engines[0] if len(engines) == 1 else ReplicatedEngine(engines)
             else:
                 self._remote.update_weights(params, version)
             return self._remote

@@ -1,6 +1,7 @@
 """Where the asynchronous run's rollout engine lives (``async_rl.engine``) and how many
-replicas it has (``async_rl.engines``): in the other JAX process of a two-process
-``rlpt.train``, as two replicas on 2 devices each, or on two Ray actors, the run computes
+replicas it has (``async_rl.engines``): in the two other JAX processes of a
+three-process ``rlpt.train`` (an engine each), as two replicas on 2 devices each, or on
+two Ray actors, the run computes
 what it computes with one engine on 4 of its own 8 devices (sampling is seeded per
 request, so which replica samples a group does not matter).
 
@@ -67,25 +68,25 @@ def _assert_same_run(got, want):
                 assert have[key] == value, f"step {ref['step']} {key}"
 
 
-def _two_processes(workdir, *extra):
-    """``rlpt.train`` as a driver and an engine process, 4 host devices each."""
+def _three_processes(workdir, *extra):
+    """``rlpt.train`` as a driver and two engine processes, 4 host devices each."""
     overrides = [f"--config.{k}={v!r}" if isinstance(v, tuple) else f"--config.{k}={v}"
                  for k, v in SETTINGS.items() if k != "async_rl.actor_devices"]  # fmt: skip
     return run_train_processes(
         workdir, "experiments/demo_async.py:runlocal", "--config.async_rl.engine=process",
-        *overrides, *extra,
+        *overrides, *extra, processes=3,
     )  # fmt: skip
 
 
-def test_an_engine_process_runs_the_same_run_and_resumes(tmp_path, local_run):
-    """Stopped after step 2 and rerun: the driver resumes from its own checkpoint, a new
-    engine process takes its weights, and every step equals the one-process run."""
+def test_engine_processes_run_the_same_run_and_resume(tmp_path, local_run):
+    """Stopped after step 2 and rerun: the driver resumes from its own checkpoint, new
+    engine processes take its weights, and every step equals the one-process run."""
     workdir = str(tmp_path / "run")
-    first = _two_processes(workdir, "--config.stop_after_step=2")
-    second = _two_processes(workdir)
+    first = _three_processes(workdir, "--config.stop_after_step=2")
+    second = _three_processes(workdir)
     assert "Resumed from checkpoint at step 2" in second[0]
     for _, *actors in (first, second):
-        for actor in actors:  # it served the run's calls and ran nothing of its own
+        for actor in actors:  # each served calls and ran nothing of its own
             assert "rollout engine served" in actor and "Running trainer" not in actor
     _assert_same_run(_ppo_lines(workdir), local_run)
     steps = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
