@@ -364,7 +364,9 @@ class AsyncPPOStage:
         """Ends the rollout engine's process (``async_rl.engine = "process"``), also when
         this run never needed it."""
         if self.config.async_rl.engine == "process":
-            for process in actor_processes():
+            if self._remote is not None:
+                self._remote.close()  # the replicas' threads too
+            for process in actor_processes():  # those not closed above
                 ProcessEngine.release(process)
             self._remote = None
 
