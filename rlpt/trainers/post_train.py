@@ -50,7 +50,7 @@ from rlpt.metrics import (
     to_json_value,
 )
 from rlpt.parallel import make_mesh
-from rlpt.parallel.multihost import to_global
+from rlpt.parallel.multihost import to_global, trainer_process_count
 from rlpt.policy import RUN_CONFIG_FILE, full_policy
 from rlpt.rewards.learned import LearnedRewards
 from rlpt.roles import (
@@ -110,6 +110,12 @@ class PostTrainRun:
         # Parsed (and so checked) once, before the workdir is claimed; a typed config
         # passes through as it is.
         config = parse_config(config)
+        if config.async_rl.enabled and trainer_process_count() > 1:
+            # Each process would run its own schedule, which follows timing.
+            raise ConfigError(
+                "async_rl.enabled trains in one process: with several JAX processes, use "
+                "async_rl.engine 'process' (a learner over several processes: not yet)"
+            )
         self.config = config
         self.workdir = os.path.abspath(workdir)
         self.start_time = time.perf_counter()
@@ -317,11 +323,6 @@ class PostTrainRun:
             logging.info("async: one device, shared by the rollout engine and the learner")
             return self.mesh, self.mesh
         n = max(1, len(devices) // 2) if n == -1 else n
-        if jax.process_count() > 1:
-            raise ValueError(
-                "async_rl.enabled runs in one process, or with async_rl.engine 'process' as "
-                "two (a learner over several processes: not yet)"
-            )
         if not 1 <= n < len(devices):
             raise ValueError(
                 f"async_rl.actor_devices must leave the learner at least one of the "

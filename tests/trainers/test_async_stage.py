@@ -98,6 +98,16 @@ def test_async_settings_are_checked(overrides, message):
         parse_config(_config(**overrides))
 
 
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_several_training_processes_are_refused(tmp_path, monkeypatch, engine):
+    """Only the driver may run the asynchronous schedule: as if two processes trained."""
+    from rlpt.trainers import post_train
+
+    monkeypatch.setattr(post_train, "trainer_process_count", lambda: 2)
+    with pytest.raises(ConfigError, match="async_rl.enabled trains in one process"):
+        post_train.PostTrainRun(_config(**{"async_rl.engine": engine}), str(tmp_path / "run"))
+
+
 def test_staleness_zero_reproduces_the_synchronous_run(tmp_path):
     """async_rl.max_staleness = 0 against async.mode = 'sync' (the same parts strictly in turn):
     every logged metric but timings and waits is equal at every step."""
